@@ -1,0 +1,117 @@
+"""What every op shares: where it runs, input checks, and launch settings.
+
+Dispatch rule (GUIDE section 2.6): CUDA tensors run the Triton kernels; CPU tensors
+run the plain PyTorch reference, unless ``TRITON_INTERPRET=1`` is set, in which case
+the Triton kernels themselves run on the CPU through Triton's interpreter (how CI
+checks them).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Widest row a norm kernel keeps in registers in one block; longer rows loop over
+# blocks of this size. 16384 fp32 values per program stay in registers with 16 warps
+# (32 values a thread).
+MAX_ROW_BLOCK = 16384
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True where the Triton kernels run for a tensor on this device."""
+    return x.is_cuda or (x.device.type == "cpu" and interpreting())
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {v.device for v in present.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{k} on {v.device}" for k, v in present.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+
+
+def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.shape != ref.shape:
+        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}")
+
+
+def check_vector(name: str, t: torch.Tensor | None, length: int) -> None:
+    """A per-feature parameter (norm weight, bias): 1-D of the hidden size."""
+    if t is None:
+        return
+    check_float(name, t)
+    if t.dim() != 1 or t.shape[0] != length:
+        raise ValueError(f"{name} must be 1-D of length {length} (the last dim of the input), got shape {tuple(t.shape)}")
+
+
+def check_probability(name: str, p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
+
+
+# ------------------------------------------------------------------------- layouts
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as [rows, last dim] with unit stride along the row; copies only if it must."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D view of ``x`` (copies only a non-contiguous input)."""
+    return x.contiguous().view(-1)
+
+
+# ---------------------------------------------------------------- launch settings
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs_for(device: torch.device) -> int:
+    """How many programs fill the device when each loops over many rows."""
+    if device.type != "cuda":
+        return 4  # the interpreter: few programs, big blocks, fewer Python steps
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def row_settings(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for kernels that hold one row (or one row block) per program.
+
+    Warps grow with the block so each thread holds 8 to 16 values: enough 16-byte loads
+    in flight per thread without spilling.
+    """
+    block = min(triton.next_power_of_2(max(n_cols, 1)), MAX_ROW_BLOCK)
+    num_warps = max(1, min(16, block // 512))
+    return block, num_warps
+
+
+# Elementwise kernels: 4096 elements a program and 8 warps (16 values a thread).
+ELEMENTWISE_BLOCK = 4096
+ELEMENTWISE_WARPS = 8
+
+
+def elementwise_grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, ELEMENTWISE_BLOCK),)

@@ -1,0 +1,451 @@
+"""RMSNorm and LayerNorm, alone or fused with the residual add (+ dropout) before them.
+
+Math, per row of N features (h is the normalised input):
+
+    h     = residual + dropout(x)            (add_* variants; h = x otherwise)
+    mean  = sum(h) / N                       (LayerNorm only; RMSNorm uses mean = 0)
+    rstd  = 1 / sqrt(sum((h - mean)^2) / N + eps)
+    hat   = (h - mean) * rstd
+    y     = hat * w + b
+
+Backward, with g = dy * w:
+
+    dh    = rstd * (g - hat * mean(g * hat) - mean(g))   (the last term LayerNorm only)
+          + dh_out                                          (the gradient of the h output)
+    dx    = dh * keep / (1 - p)                             (dropout replayed from the seed)
+    dw    = sum over rows of dy * hat,   db = sum over rows of dy
+
+Byte budget (M rows of N, element size s; the dropout mask is never stored):
+
+    op               unfused PyTorch (HF style)       fused minimum
+    rms_norm fwd     ~5 passes: read x 3x, write 2x    read x, write y          2 MNs
+    add_rms_norm fwd ~7 passes                         read x, res; write h, y  4 MNs
+    norm bwd         ~9 passes                         read dy, h; write dx     3 MNs
+                                                       (+ read dh_out with add_*: 4 MNs)
+
+The backward gives each program a contiguous run of rows and keeps its share of dw
+and db in fp32 registers; the per-program partials ([programs, N] fp32) are summed
+once at the end, so no atomics contend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._launch import (
+    as_rows,
+    check_float,
+    check_probability,
+    check_same_device,
+    check_same_shape,
+    check_vector,
+    num_programs_for,
+    row_settings,
+    use_triton,
+)
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
+            HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """h = residual + dropout(x) for one block of a row, in fp32."""
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = tl.rand(seed, row * n_cols + cols) >= dropout_p
+        x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr,
+    x_row_stride, res_row_stride, y_row_stride, h_row_stride,
+    n_cols, eps, dropout_p, seed,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    if ONE_BLOCK:
+        # The whole row lives in registers: one read of each input, one write of each output.
+        mask = cols < n_cols
+        h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
+                    HAS_RESIDUAL, HAS_DROPOUT)
+        if HAS_RESIDUAL:
+            # normalise h as stored (rounded to the stream's dtype), as the backward will read it
+            h = h.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * h_row_stride + cols, h, mask=mask)
+            h = h.to(tl.float32)
+        if IS_RMS:
+            mean = 0.0
+            centred = h
+        else:
+            mean = tl.sum(h, axis=0) / n_cols
+            centred = tl.where(mask, h - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
+        y = centred * rstd
+        if HAS_WEIGHT:
+            y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Rows longer than one block: pass 1 sums (and writes h), pass 2 sums squares
+        # about the mean (LayerNorm), pass 3 normalises. The re-reads hit L2.
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            m = c < n_cols
+            h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, c, m, n_cols, dropout_p, seed,
+                        HAS_RESIDUAL, HAS_DROPOUT)
+            if HAS_RESIDUAL:
+                h = h.to(h_ptr.dtype.element_ty)
+                tl.store(h_ptr + row * h_row_stride + c, h, mask=m)
+                h = h.to(tl.float32)
+            acc += h if not IS_RMS else h * h
+        if IS_RMS:
+            mean = 0.0
+            var = tl.sum(acc, axis=0) / n_cols
+        else:
+            mean = tl.sum(acc, axis=0) / n_cols
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                m = c < n_cols
+                if HAS_RESIDUAL:
+                    h = tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0).to(tl.float32)
+                else:
+                    h = tl.load(x_ptr + row * x_row_stride + c, mask=m, other=0.0).to(tl.float32)
+                d = tl.where(m, h - mean, 0.0)
+                acc += d * d
+            var = tl.sum(acc, axis=0) / n_cols
+        rstd = 1.0 / tl.sqrt(var + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            m = c < n_cols
+            if HAS_RESIDUAL:
+                h = tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0).to(tl.float32)
+            else:
+                h = tl.load(x_ptr + row * x_row_stride + c, mask=m, other=0.0).to(tl.float32)
+            y = (h - mean) * rstd
+            if HAS_WEIGHT:
+                y *= tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(y_ptr + row * y_row_stride + c, y.to(y_ptr.dtype.element_ty), mask=m)
+    if not IS_RMS:
+        tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, c, m, mean, rstd,
+                    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """dy, hat and g = dy * w for one block of a row, in fp32 (zero outside the row)."""
+    dy = tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0).to(tl.float32)
+    hat = (h - mean) * rstd if not IS_RMS else h * rstd
+    hat = tl.where(m, hat, 0.0)
+    g = dy * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) if HAS_WEIGHT else dy
+    return dy, hat, g
+
+
+@triton.jit
+def _norm_bwd_write(dh, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dres_row_stride, dx_row_stride,
+                    c, m, n_cols, dropout_p, seed,
+                    HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr):
+    """Add the h output's own gradient, write d(residual); write dx through the dropout mask."""
+    if HAS_DH_OUT:
+        dh += tl.load(dh_out_ptr + row * dh_out_row_stride + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(dres_ptr + row * dres_row_stride + c, dh.to(dres_ptr.dtype.element_ty), mask=m)
+    if WRITE_DX:
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, row * n_cols + c) >= dropout_p
+            dh = tl.where(keep, dh / (1.0 - dropout_p), 0.0)
+        tl.store(dx_ptr + row * dx_row_stride + c, dh.to(dx_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    dy_ptr, dh_out_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    dy_row_stride, dh_out_row_stride, h_row_stride, dres_row_stride, dx_row_stride,
+    n_rows, n_cols, rows_per_program, dropout_p, seed,
+    IS_RMS: tl.constexpr, HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    row_start = pid.to(tl.int64) * rows_per_program
+    n_mine = tl.minimum(rows_per_program, n_rows - row_start)
+    part = pid.to(tl.int64) * n_cols
+    if ONE_BLOCK:
+        mask = cols < n_cols
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(0, n_mine):
+            row = row_start + i
+            mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
+            rstd = tl.load(rstd_ptr + row)
+            dy, hat, g = _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, cols, mask,
+                                         mean, rstd, IS_RMS, HAS_WEIGHT)
+            c1 = tl.sum(hat * g, axis=0) / n_cols
+            dh = g - hat * c1
+            if not IS_RMS:
+                dh -= tl.sum(g, axis=0) / n_cols
+            _norm_bwd_write(dh * rstd, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dres_row_stride,
+                            dx_row_stride, cols, mask, n_cols, dropout_p, seed, HAS_DH_OUT, HAS_DROPOUT, WRITE_DX)
+            dw_acc += dy * hat
+            db_acc += dy
+        if HAS_WEIGHT:
+            tl.store(dw_part_ptr + part + cols, dw_acc, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_part_ptr + part + cols, db_acc, mask=mask)
+    else:
+        # Long rows: pass 1 gathers the row's two sums, pass 2 writes dx and adds this
+        # row's share of dw/db into the program's own (zeroed) partial row.
+        for i in range(0, n_mine):
+            row = row_start + i
+            mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
+            rstd = tl.load(rstd_ptr + row)
+            s_hat_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            s_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                m = c < n_cols
+                dy, hat, g = _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, c, m,
+                                             mean, rstd, IS_RMS, HAS_WEIGHT)
+                s_hat_g += hat * g
+                s_g += g
+            c1 = tl.sum(s_hat_g, axis=0) / n_cols
+            c2 = tl.sum(s_g, axis=0) / n_cols
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                m = c < n_cols
+                dy, hat, g = _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, c, m,
+                                             mean, rstd, IS_RMS, HAS_WEIGHT)
+                dh = g - hat * c1
+                if not IS_RMS:
+                    dh -= c2
+                _norm_bwd_write(dh * rstd, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dres_row_stride,
+                                dx_row_stride, c, m, n_cols, dropout_p, seed, HAS_DH_OUT, HAS_DROPOUT, WRITE_DX)
+                if HAS_WEIGHT:
+                    acc = tl.load(dw_part_ptr + part + c, mask=m, other=0.0)
+                    tl.store(dw_part_ptr + part + c, acc + dy * hat, mask=m)
+                if HAS_BIAS:
+                    acc = tl.load(db_part_ptr + part + c, mask=m, other=0.0)
+                    tl.store(db_part_ptr + part + c, acc + dy, mask=m)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
+    n = x.shape[-1]
+    x2 = as_rows(x)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else x.new_empty(0)
+    mean = torch.empty(0 if is_rms else m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y, h, mean, rstd
+    res2 = as_rows(residual) if residual is not None else x2
+    y2, h2 = y.view(m, n), (h.view(m, n) if residual is not None else y.view(m, n))
+    block, num_warps = row_settings(n)
+    _norm_fwd_kernel[(m,)](
+        x2, res2, weight if weight is not None else x2, bias if bias is not None else x2, y2, h2, mean, rstd,
+        x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
+        n, eps, dropout_p, seed,
+        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block,
+        num_warps=num_warps,
+    )
+    return y, h, mean, rstd
+
+
+def _writes_dx(has_residual, dropout_p, x_dtype, h_dtype):
+    """dx differs from d(residual) only through dropout or a dtype change."""
+    return has_residual and (dropout_p > 0 or x_dtype != h_dtype)
+
+
+def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual):
+    n = h.shape[-1]
+    h2 = as_rows(h)
+    m = h2.shape[0]
+    dy2 = as_rows(dy)
+    dh_out2 = as_rows(dh_out) if dh_out is not None else dy2
+    # d(residual) in the stream's dtype; dx is written separately only when it differs
+    # from it (dropout, or x in another dtype than the residual stream).
+    dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype)
+    dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else dres.new_empty(0)
+    programs = max(1, min(m, num_programs_for(h.device) * 4))
+    block, num_warps = row_settings(n)
+    one_block = n <= block
+    alloc = torch.empty if one_block and m > 0 else torch.zeros  # empty input: zero gradients
+    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
+    db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if has_bias else None
+    if m > 0 and n > 0:
+        dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dres.view(m, n))
+        _norm_bwd_kernel[(programs,)](
+            dy2, dh_out2, h2, weight if weight is not None else h2, mean, rstd, dres2, dx2,
+            dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
+            dy2.stride(0), dh_out2.stride(0), h2.stride(0), dres2.stride(0), dx2.stride(0),
+            m, n, triton.cdiv(m, programs), dropout_p, seed,
+            IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, BLOCK_N=block, ONE_BLOCK=one_block,
+            num_warps=num_warps,
+        )
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else h.new_empty(0)
+    db = db_part.sum(0) if has_bias else h.new_empty(0)
+    return dres, dx, dw, db
+
+
+# ------------------------------------------------------------------ registered ops
+
+
+@torch.library.custom_op("onepass::norm_fwd", mutates_args=())
+def _norm_fwd(
+    x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+    eps: float, dropout_p: float, seed: int, is_rms: bool, out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y, h, mean, rstd); h is empty without a residual, mean is empty for RMSNorm."""
+    return _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype)
+
+
+@_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    h = torch.empty_like(x, dtype=residual.dtype) if residual is not None else x.new_empty(0)
+    mean = x.new_empty(0 if is_rms else rows, dtype=torch.float32)
+    return torch.empty_like(x, dtype=out_dtype), h, mean, x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("onepass::norm_bwd", mutates_args=())
+def _norm_bwd(
+    dy: Tensor, dh_out: Optional[Tensor], h: Tensor, weight: Optional[Tensor], has_bias: bool, mean: Tensor,
+    rstd: Tensor, dropout_p: float, seed: int, is_rms: bool, x_dtype: torch.dtype, has_residual: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (d_h, dx, dw, db): d_h is the residual's gradient (x's without a residual);
+    dx is empty unless dropout or a dtype change makes it differ from d_h; dw and db are
+    empty where there is no weight or bias; db is fp32."""
+    return _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype,
+                            has_residual)
+
+
+@_norm_bwd.register_fake
+def _(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual):
+    write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype)
+    dx = torch.empty_like(h, dtype=x_dtype) if write_dx else h.new_empty(0)
+    dw = weight.new_empty(weight.shape) if weight is not None else h.new_empty(0)
+    db = h.new_empty(h.shape[-1], dtype=torch.float32) if has_bias else h.new_empty(0)
+    return torch.empty_like(h), dx, dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype = inputs
+    y, h, mean, rstd = output
+    ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.has_residual = residual is not None
+    ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype = dropout_p, seed, is_rms, x.dtype
+
+
+def _backward(ctx, dy, dh_out, _dmean, _drstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    d_h, dx, dw, db = _norm_bwd(dy, dh_out if ctx.has_residual else None, h, weight, ctx.has_bias, mean, rstd,
+                                ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual)
+    dw = dw if weight is not None else None
+    db = db.to(ctx.bias_dtype) if ctx.has_bias else None
+    if not ctx.has_residual:
+        return d_h, None, dw, db, None, None, None, None, None
+    writes_dx = _writes_dx(True, ctx.dropout_p, ctx.x_dtype, h.dtype)
+    return dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None
+
+
+_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def _check(x, residual, weight, bias, dropout_p):
+    check_float("x", x)
+    if residual is not None:
+        check_float("residual", residual)
+        check_same_shape("residual", residual, "x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the features to normalise)")
+    check_vector("weight", weight, x.shape[-1])
+    check_vector("bias", bias, x.shape[-1])
+    check_probability("dropout_p", dropout_p)
+    check_same_device(x=x, residual=residual, weight=weight, bias=bias)
+
+
+def _seed(seed: int | None) -> int:
+    # Drawn from torch's CPU generator: reproducible under torch.manual_seed, no device sync.
+    return int(torch.randint(0, 2**31 - 1, (1,)).item()) if seed is None else int(seed)
+
+
+def _norm(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
+    _check(x, residual, weight, bias, dropout_p)
+    out_dtype = out_dtype or x.dtype
+    if not use_triton(x):
+        if residual is None:
+            if is_rms:
+                return reference.rms_norm(x, weight, eps, out_dtype), None
+            return reference.layer_norm(x, weight, bias, eps, out_dtype), None
+        if is_rms:
+            return reference.add_rms_norm(x, residual, weight, eps, dropout_p, out_dtype=out_dtype)
+        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, out_dtype=out_dtype)
+    y, h, _, _ = _norm_fwd(x, residual, weight, bias, float(eps), float(dropout_p), _seed(seed) if dropout_p else 0,
+                           is_rms, out_dtype)
+    return y, (h if residual is not None else None)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None
+             ) -> Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32.
+
+    Like ``F.rms_norm(x, (x.shape[-1],), weight, eps)``; ``out_dtype`` fuses the cast of
+    the result (default: x's dtype).
+    """
+    return _norm(x, None, weight, None, eps, 0.0, None, True, out_dtype)[0]
+
+
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
+               out_dtype: torch.dtype | None = None) -> Tensor:
+    """LayerNorm over the last dim, like ``F.layer_norm(x, (x.shape[-1],), weight, bias, eps)``."""
+    return _norm(x, None, weight, bias, eps, 0.0, None, False, out_dtype)[0]
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6,
+                 dropout_p: float = 0.0, *, seed: int | None = None, out_dtype: torch.dtype | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """The pre-norm residual step in one pass: ``h = residual + dropout(x)``; returns ``(rms_norm(h), h)``.
+
+    ``h`` keeps the residual's dtype (an fp32 stream may carry bf16 branches), the normed
+    output takes ``out_dtype`` (default x's). Dropout draws its mask from ``seed`` with a
+    counter-based RNG; the backward replays it, so no mask is stored, and one seed always
+    gives one mask. ``seed=None`` draws one from torch's CPU generator. On CPU tensors
+    (no interpreter) the reference runs, with torch's own dropout.
+    """
+    return _norm(x, residual, weight, None, eps, dropout_p, seed, True, out_dtype)
+
+
+def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
+                   eps: float = 1e-5, dropout_p: float = 0.0, *, seed: int | None = None,
+                   out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """``h = residual + dropout(x)``; returns ``(layer_norm(h), h)`` in one pass (see add_rms_norm)."""
+    return _norm(x, residual, weight, bias, eps, dropout_p, seed, False, out_dtype)

@@ -1,0 +1,9 @@
+"""Plain PyTorch definitions of every onepass op.
+
+They are the ground truth for tests (run them on float64 inputs), the CPU fallback,
+and the unfused side of every benchmark, so each is written the way Hugging Face
+models write it: upcast to float32 (or keep float64), compute, cast back.
+"""
+
+from onepass.reference.activation import bias_gelu, geglu, gelu, swiglu
+from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm

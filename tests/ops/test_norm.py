@@ -1,0 +1,226 @@
+import pytest
+import torch
+
+from onepass import ops, reference
+from onepass.testing import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# irregular, a hidden size of 1, a power of two, a row longer than one block (16384)
+SHAPES = [(3, 5, 123), (4, 1), (2, 64), (2, 20000)]
+KINDS = ["rms", "layer", "add_rms", "add_layer"]
+
+
+def _call(kind, x, res, w, b, **kw):
+    """(outputs, reference function) for one norm kind; outputs is a tuple."""
+    if kind == "rms":
+        return (ops.rms_norm(x, w, **kw),), lambda x, r, w, b: (reference.rms_norm(x, w),)
+    if kind == "layer":
+        return (ops.layer_norm(x, w, b, **kw),), lambda x, r, w, b: (reference.layer_norm(x, w, b),)
+    if kind == "add_rms":
+        return ops.add_rms_norm(x, res, w, **kw), lambda x, r, w, b: reference.add_rms_norm(x, r, w)
+    return ops.add_layer_norm(x, res, w, b, **kw), lambda x, r, w, b: reference.add_layer_norm(x, r, w, b)
+
+
+def _check_against_reference(kind, x, res, w, b, dtype, scale=1.0, **kw):
+    leaves = [t for t in (x, res, w, b) if t is not None]
+    for t in leaves:
+        t.requires_grad_(True)
+    outs, ref_fn = _call(kind, x, res, w, b, **kw)
+    # a gradient into every output (h too), drawn at random
+    grads_out = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads_out)
+    doubles = [t.detach().double().requires_grad_(True) if t is not None else None for t in (x, res, w, b)]
+    ref_outs = ref_fn(*doubles)
+    torch.autograd.backward(ref_outs, [g.double() for g in grads_out])
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert_close(o, r, dtype, f"output {i}", scale)
+    # With one feature dx cancels to ~0 and LayerNorm's dw is exactly 0: measure those
+    # against the incoming gradient, their natural scale (dw's floor 1000x lower).
+    floor = grads_out[0].double().norm().item()
+    for name, t, d in zip(("x", "residual", "weight", "bias"), (x, res, w, b), doubles):
+        if t is not None:
+            assert t.grad is not None and t.grad.dtype == t.dtype, name
+            assert_close(t.grad, d.grad, dtype, f"d{name}", scale, floor if name in ("x", "residual") else floor * 1e-3)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_reference(kind, dtype, shape, device):
+    x = torch.randn(shape, dtype=dtype, device=device)
+    res = torch.randn(shape, dtype=dtype, device=device) if kind.startswith("add") else None
+    w = torch.randn(shape[-1], dtype=dtype, device=device)
+    b = torch.randn(shape[-1], dtype=dtype, device=device) if kind.endswith("layer") else None
+    _check_against_reference(kind, x, res, w, b, dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_weight_and_bias(kind, device):
+    x = torch.randn(6, 37, device=device)
+    res = torch.randn(6, 37, device=device) if kind.startswith("add") else None
+    _check_against_reference(kind, x, res, None, None, torch.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_contiguous_input(kind, device):
+    x = torch.randn(40, 6, device=device).t()  # [6, 40], stride (1, 6)
+    res = torch.randn(6, 80, device=device)[:, ::2] if kind.startswith("add") else None
+    w = torch.randn(40, device=device)
+    b = torch.randn(40, device=device) if kind.endswith("layer") else None
+    _check_against_reference(kind, x, res, w, b, torch.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_input(kind, device):
+    x = torch.randn(0, 16, device=device, requires_grad=True)
+    res = torch.randn(0, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True)
+    outs, _ = _call(kind, x, res if kind.startswith("add") else None, w, None)
+    assert all(o.shape == (0, 16) for o in outs)
+    sum(o.sum() for o in outs).backward()
+    assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_mixed_dtypes_fuse_the_casts(device):
+    """fp32 residual stream, bf16 branch, bf16 normed output: h stays fp32."""
+    x = torch.randn(5, 96, dtype=torch.bfloat16, device=device)
+    res = torch.randn(5, 96, dtype=torch.float32, device=device)
+    w = torch.randn(96, dtype=torch.float32, device=device)
+    y, h = ops.add_rms_norm(x, res, w, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
+    _check_against_reference("add_rms", x, res, w, None, torch.bfloat16, out_dtype=torch.bfloat16)
+    y = ops.rms_norm(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert_close(y, reference.rms_norm(x.double(), w.double()), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------ dropout
+
+
+@pytest.mark.parametrize("kind", ["add_rms", "add_layer"])
+def test_dropout_matches_reference_with_the_same_mask(kind, device):
+    p = 0.3
+    x = torch.randn(8, 200, device=device, requires_grad=True)
+    res = torch.randn(8, 200, device=device, requires_grad=True)
+    w = torch.randn(200, device=device, requires_grad=True)
+    fn = ops.add_rms_norm if kind == "add_rms" else ops.add_layer_norm
+    y, h = fn(x, res, w, dropout_p=p, seed=1234)
+    keep = (h - res).detach() != 0  # x is never 0, so a dropped element is exactly where h == residual
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    torch.autograd.backward((y, h), (gy, gh))
+    xd, rd, wd = (t.detach().double().requires_grad_(True) for t in (x, res, w))
+    ref_fn = reference.add_rms_norm if kind == "add_rms" else reference.add_layer_norm
+    yr, hr = ref_fn(xd, rd, wd, dropout_p=p, keep_mask=keep)
+    torch.autograd.backward((yr, hr), (gy.double(), gh.double()))
+    assert_close(y, yr, torch.float32, "y")
+    assert_close(h, hr, torch.float32, "h")
+    for t, d, name in ((x, xd, "dx"), (res, rd, "dres"), (w, wd, "dw")):
+        assert_close(t.grad, d.grad, torch.float32, name)
+
+
+def test_dropout_rate_and_seed(device):
+    p = 0.25
+    x = torch.randn(64, 512, device=device) + 3.0  # never 0
+    res = torch.randn(64, 512, device=device)
+    _, h1 = ops.add_rms_norm(x, res, dropout_p=p, seed=7)
+    _, h2 = ops.add_rms_norm(x, res, dropout_p=p, seed=7)
+    _, h3 = ops.add_rms_norm(x, res, dropout_p=p, seed=8)
+    dropped = (h1 == res).float().mean().item()
+    # 32768 Bernoulli(0.25) draws: sd 0.0024, so +-0.015 is over 6 sd
+    assert abs(dropped - p) < 0.015
+    assert torch.equal(h1, h2)
+    assert not torch.equal(h1, h3)
+    kept = h1 != res
+    assert_close(h1[kept], (res + x / (1 - p))[kept], torch.float32)
+
+
+def test_seed_none_follows_torch_manual_seed(device):
+    x, res = torch.randn(4, 64, device=device), torch.randn(4, 64, device=device)
+    torch.manual_seed(3)
+    _, h1 = ops.add_rms_norm(x, res, dropout_p=0.5)
+    torch.manual_seed(3)
+    _, h2 = ops.add_rms_norm(x, res, dropout_p=0.5)
+    assert torch.equal(h1, h2)
+
+
+# ------------------------------------------------------------- compile and opcheck
+
+
+def test_torch_compile_fullgraph(device):
+    x = torch.randn(4, 48, device=device, requires_grad=True)
+    res = torch.randn(4, 48, device=device, requires_grad=True)
+    w = torch.randn(48, device=device, requires_grad=True)
+
+    def block(x, res, w):
+        y, h = ops.add_rms_norm(x, res, w)
+        return ops.layer_norm(y, w) + h
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = compiled(x, res, w)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (x, res, w)]
+    for t in (x, res, w):
+        t.grad = None
+    eager = block(x, res, w)
+    eager.sum().backward()
+    assert_close(out, eager, torch.float32)
+    for g, t in zip(grads, (x, res, w)):
+        assert_close(g, t.grad, torch.float32)
+
+
+def test_opcheck(device):
+    from onepass.ops.norm import _norm_fwd
+
+    x = torch.randn(3, 40, device=device, requires_grad=True)
+    res = torch.randn(3, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device, requires_grad=True)
+    b = torch.randn(40, device=device, requires_grad=True)
+    for args in [(x, res, w, b, 1e-5, 0.0, 0, False, torch.float32),
+                 (x, None, w, None, 1e-6, 0.0, 0, True, torch.float32),
+                 (x, res, w, None, 1e-6, 0.2, 11, True, torch.float32)]:
+        torch.library.opcheck(_norm_fwd, args)
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x, w: ops.rms_norm(x, w[:-1]), ValueError, "weight"),
+    (lambda x, w: ops.rms_norm(x, w.view(8, 8)), ValueError, "weight"),
+    (lambda x, w: ops.rms_norm(x.long(), w), TypeError, "x"),
+    (lambda x, w: ops.layer_norm(x, w, torch.randn(3, device=x.device)), ValueError, "bias"),
+    (lambda x, w: ops.add_rms_norm(x, x[:, :5], w), ValueError, "residual"),
+    (lambda x, w: ops.add_rms_norm(x, x, w, dropout_p=1.0), ValueError, "dropout_p"),
+    (lambda x, w: ops.add_layer_norm(x, x, w, dropout_p=-0.1), ValueError, "dropout_p"),
+    (lambda x, w: ops.rms_norm(x, w.to("meta")), ValueError, "device"),
+    (lambda x, w: ops.rms_norm(x, "weight"), TypeError, "weight"),
+])
+def test_bad_input_raises_before_any_kernel(call, error, words, device):
+    x = torch.randn(4, 64, device=device)
+    w = torch.randn(64, device=device)
+    with pytest.raises(error, match=words):
+        call(x, w)
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [4096, 8192, 65536])
+def test_gpu_bf16_real_sizes(kind, n):
+    rows = 16384 if n <= 8192 else 512
+    x = torch.randn(rows, n, dtype=torch.bfloat16, device="cuda")
+    res = torch.randn(rows, n, dtype=torch.bfloat16, device="cuda") if kind.startswith("add") else None
+    w = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, dtype=torch.bfloat16, device="cuda") if kind.endswith("layer") else None
+    _check_against_reference(kind, x, res, w, b, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_2_31_elements():
+    x = torch.randn(2**31 // 4096 + 8, 4096, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(4096, dtype=torch.bfloat16, device="cuda")
+    y = ops.rms_norm(x, w)
+    tail = slice(-16, None)
+    assert_close(y[tail], reference.rms_norm(x[tail].double(), w.double()), torch.bfloat16)
