@@ -1,0 +1,1 @@
+"""Benchmark suites: one module per op family, each exposing ``cases() -> list[Case]``."""
