@@ -262,6 +262,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     res2 = as_rows(residual) if residual is not None else x2
     y2, h2 = y.view(m, n), (h.view(m, n) if residual is not None else y.view(m, n))
     block, num_warps = row_settings(n)
+    weight, bias = (t.contiguous() if t is not None else None for t in (weight, bias))
     _norm_fwd_kernel[(m,)](
         x2, res2, weight if weight is not None else x2, bias if bias is not None else x2, y2, h2, mean, rstd,
         x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
@@ -296,6 +297,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, see
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
     db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if has_bias else None
     if m > 0 and n > 0:
+        weight = weight.contiguous() if weight is not None else None
         dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dres.view(m, n))
         _norm_bwd_kernel[(programs,)](
             dy2, dh_out2, h2, weight if weight is not None else h2, mean, rstd, dres2, dx2,
