@@ -1,5 +1,6 @@
 """Fused Triton kernels, forward and backward, each registered with torch.library."""
 
+from onepass.ops.activation import bias_gelu, geglu, swiglu
 from onepass.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
-__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
+__all__ = ["bias_gelu", "geglu", "swiglu", "add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
