@@ -26,8 +26,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Set by onepass.reference_mode(); ONEPASS_REFERENCE=1 does the same for the whole process.
+force_reference = False
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    """True where the Triton kernels run for a tensor on this device."""
+    """True where the Triton kernels run for a tensor on this device (never in reference mode)."""
+    if force_reference or os.environ.get("ONEPASS_REFERENCE") == "1":
+        return False
     return x.is_cuda or (x.device.type == "cpu" and interpreting())
 
 
