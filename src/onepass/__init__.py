@@ -1,10 +1,21 @@
 """onepass: fused single-pass Triton kernels for transformer models.
 
 Every intermediate that is read once should never touch HBM.
+
+The submodules load on first use, so that ``onepass``'s command line can choose
+Triton's interpreter (on a machine without a GPU) before any kernel is defined.
 """
 
-from onepass import ops
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "__version__"]
+_LAZY = {"ops": "onepass.ops", "reference": "onepass.reference"}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(_LAZY[name])
+    raise AttributeError(f"module 'onepass' has no attribute {name!r}")

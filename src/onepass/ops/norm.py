@@ -50,6 +50,9 @@ from onepass.ops._launch import (
     use_triton,
 )
 
+# Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
+BWD_PROGRAMS_PER_SM = 4
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -290,7 +293,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, see
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else dres.new_empty(0)
-    programs = max(1, min(m, num_programs_for(h.device) * 4))
+    programs = max(1, min(m, num_programs_for(h.device) * BWD_PROGRAMS_PER_SM))
     block, num_warps = row_settings(n)
     one_block = n <= block
     alloc = torch.empty if one_block and m > 0 else torch.zeros  # empty input: zero gradients

@@ -1,0 +1,72 @@
+"""The ``onepass`` command.
+
+    onepass run                 the main job: the benchmark suite on a GPU; without one,
+                                every op's self-check through Triton's interpreter
+    onepass bench ops [...]     the op benchmarks (GPU)
+    onepass selfcheck           every op against its float64 reference, and its byte budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _interpret_without_gpu() -> str:
+    """Pick the device; without a GPU, turn on Triton's interpreter before onepass imports Triton."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def _selfcheck(_args) -> int:
+    device = _interpret_without_gpu()
+    from onepass import selfcheck
+
+    where = "on the GPU" if device == "cuda" else "on the CPU through Triton's interpreter"
+    print(f"onepass self-check {where}")
+    return 0 if selfcheck.run(device) else 1
+
+
+def _bench_ops(args) -> int:
+    from onepass.bench.harness import run_suites
+
+    run_suites(args.suite or None, args.out, args.only)
+    return 0
+
+
+def _run(args) -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return _bench_ops(argparse.Namespace(suite=None, out="benchmarks/results", only=None))
+    print("no GPU here: running every op's self-check instead of the benchmarks\n")
+    return _selfcheck(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onepass", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="the main job (benchmarks on a GPU, self-check without)").set_defaults(fn=_run)
+    sub.add_parser("selfcheck", help="every op against its reference, and its byte budget").set_defaults(
+        fn=_selfcheck)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
+    bench_ops = bench.add_parser("ops", help="every op against eager, torch.compile, Liger (GPU)")
+    bench_ops.add_argument("--suite", action="append", help="a suite to run (repeatable; default all)")
+    bench_ops.add_argument("--only", help="keep only the cases whose op name contains this")
+    bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
+    bench_ops.set_defaults(fn=_bench_ops)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
