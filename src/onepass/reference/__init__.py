@@ -7,3 +7,5 @@ models write it: upcast to float32 (or keep float64), compute, cast back.
 
 from onepass.reference.activation import bias_gelu, geglu, gelu, swiglu
 from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from onepass.reference.rope import rope
+from onepass.reference.softmax import softmax
