@@ -2,5 +2,7 @@
 
 from onepass.ops.activation import bias_gelu, geglu, swiglu
 from onepass.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from onepass.ops.rope import rope
+from onepass.ops.softmax import softmax
 
-__all__ = ["bias_gelu", "geglu", "swiglu", "add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
+__all__ = ["bias_gelu", "geglu", "swiglu", "add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rope", "softmax"]

@@ -1,0 +1,299 @@
+"""Rotary position embedding on q and k in one launch (Llama / NeoX rotate-half, GPT-J interleaved).
+
+Math, per token and head, on the first R = cos.shape[-1] dims of x (q or k); dims past R
+pass through (partial rotary). Each rotated pair (x1, x2) is (x[i], x[i + R/2]) in the
+"half" style and (x[2i], x[2i+1]) in the "interleaved" style; c1, s1 and c2, s2 are the
+table entries at the pair's first and second positions:
+
+    forward:   o1 = x1 * c1 - x2 * s1          (= x * cos + rotate(x) * sin, HF's formula)
+               o2 = x2 * c2 + x1 * s2
+    backward:  the transpose, i.e. the same kernel with (s1, s2) -> (-s2, -s1):
+               dx1 = do1 * c1 + do2 * s2,   dx2 = do2 * c2 - do1 * s1
+
+With the tables HF builds (each frequency twice, c1 = c2, s1 = s2) the backward is the
+rotation by the negated angle. Nothing is saved for backward besides cos/sin (and the
+position ids).
+
+Byte budget (q and k of Nq + Nk elements of size s; cos/sin are [B or 1, S, R], read once
+per token from L2 for all its heads, small beside q and k):
+
+    op     unfused PyTorch (HF apply_rotary_pos_emb)          fused minimum
+    fwd    per tensor: x*cos (r,w), rotate_half (r, w 2x),     read q, k; write q', k'   2 (Nq+Nk) s
+           *sin (r,w), + (r 2x, w): ~10 passes
+    bwd    about the same                                       read dq', dk'; write dq, dk  2 (Nq+Nk) s
+
+Grid: one program per (token, block of BLOCK_H heads); the head blocks of q come first,
+then those of k, so grouped-query k (fewer heads) costs only its own blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._launch import check_float, check_same_device, use_triton
+
+# Launch tunables, in one place for a sweep: a program rotates about TILE_ELEMENTS
+# values (BLOCK_H heads x R dims) with NUM_WARPS warps (16 values a thread).
+TILE_ELEMENTS = 2048
+NUM_WARPS = 4
+
+LAYOUTS = ("bhsd", "bshd")
+STYLES = ("half", "interleaved")
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _rope_heads(x_ptr, o_ptr, x_head_stride, o_head_stride, h0, n_heads, first, second, pair_ok,
+                c1, c2, s1, s2, ROT: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_REST: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Rotate BLOCK_H heads of one token (x_ptr, o_ptr point at the token's head 0)."""
+    heads = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
+    x_rows = x_ptr + (heads * x_head_stride)[:, None]
+    o_rows = o_ptr + (heads * o_head_stride)[:, None]
+    ok = (heads < n_heads)[:, None] & pair_ok[None, :]
+    x1 = tl.load(x_rows + first[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + second[None, :], mask=ok, other=0.0).to(tl.float32)
+    o1 = x1 * c1[None, :] - x2 * s1[None, :]
+    o2 = x2 * c2[None, :] + x1 * s2[None, :]
+    tl.store(o_rows + first[None, :], o1.to(o_ptr.dtype.element_ty), mask=ok)
+    tl.store(o_rows + second[None, :], o2.to(o_ptr.dtype.element_ty), mask=ok)
+    if COPY_REST:  # out of place with partial rotary: the dims past ROT pass through
+        rest = ROT + tl.arange(0, BLOCK_REST)
+        rest_ok = (heads < n_heads)[:, None] & (rest < HEAD_DIM)[None, :]
+        tl.store(o_rows + rest[None, :], tl.load(x_rows + rest[None, :], mask=rest_ok), mask=rest_ok)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
+    seq, n_q_heads, n_k_heads, q_head_blocks, table_rows,
+    q_batch_stride, q_seq_stride, q_head_stride, k_batch_stride, k_seq_stride, k_head_stride,
+    qo_batch_stride, qo_seq_stride, qo_head_stride, ko_batch_stride, ko_seq_stride, ko_head_stride,
+    cos_batch_stride, cos_row_stride, pos_batch_stride, pos_seq_stride,
+    ROT: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    HAS_POS: tl.constexpr, COPY_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    b, s = token // seq, token % seq
+    i = tl.arange(0, BLOCK_HALF)
+    pair_ok = i < ROT // 2
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + ROT // 2
+    # the token's table row: gathered through position_ids, or its own (batch, seq) row
+    if HAS_POS:
+        row = tl.load(pos_ptr + b * pos_batch_stride + s * pos_seq_stride).to(tl.int64)
+        pair_ok = pair_ok & (row >= 0) & (row < table_rows)  # never read outside the table
+        table = row * cos_row_stride
+    else:
+        table = b * cos_batch_stride + s * cos_row_stride
+    c1 = tl.load(cos_ptr + table + first, mask=pair_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + second, mask=pair_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + table + first, mask=pair_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + second, mask=pair_ok, other=0.0).to(tl.float32)
+    if BACKWARD:
+        s1, s2 = -s2, -s1
+    if block < q_head_blocks:
+        _rope_heads(q_ptr + b * q_batch_stride + s * q_seq_stride, qo_ptr + b * qo_batch_stride + s * qo_seq_stride,
+                    q_head_stride, qo_head_stride, block * BLOCK_H, n_q_heads, first, second, pair_ok,
+                    c1, c2, s1, s2, ROT, HEAD_DIM, COPY_REST, BLOCK_H, BLOCK_REST)
+    else:
+        _rope_heads(k_ptr + b * k_batch_stride + s * k_seq_stride, ko_ptr + b * ko_batch_stride + s * ko_seq_stride,
+                    k_head_stride, ko_head_stride, (block - q_head_blocks) * BLOCK_H, n_k_heads, first, second,
+                    pair_ok, c1, c2, s1, s2, ROT, HEAD_DIM, COPY_REST, BLOCK_H, BLOCK_REST)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _bsh_strides(x: Tensor, layout: str) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a 4-D q or k in the given layout."""
+    return (x.stride(0), x.stride(2), x.stride(1)) if layout == "bhsd" else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def _unit_last(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tables(cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str):
+    """cos/sin as [B or 1, rows, R] with a batch stride (0 when shared), and position_ids as [B or 1, S]."""
+    if cos.dim() == 4:
+        head_dim = 1 if layout == "bhsd" else 2
+        cos, sin = cos.squeeze(head_dim), sin.squeeze(head_dim)
+    cos, sin = cos.reshape(-1, *cos.shape[-2:]), sin.reshape(-1, *sin.shape[-2:])
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:  # the kernel steps both with cos's strides
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if position_ids is None:
+        return cos, sin, (cos.stride(0) if cos.shape[0] > 1 else 0), None, 0, 0
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    return cos, sin, 0, pos, (pos.stride(0) if pos.shape[0] > 1 else 0), pos.stride(1)
+
+
+def _settings(rot: int, head_dim: int, n_heads: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_HALF, BLOCK_REST)."""
+    block_half = triton.next_power_of_2(rot // 2)
+    block_h = min(triton.next_power_of_2(n_heads), max(1, TILE_ELEMENTS // (2 * block_half)))
+    return block_h, block_half, triton.next_power_of_2(max(head_dim - rot, 1))
+
+
+def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
+    """Rotate q into q_out and k into k_out (they may be q and k themselves: in place)."""
+    b, s, d = q.shape[0], q.shape[2] if layout == "bhsd" else q.shape[1], q.shape[-1]
+    hq, hk = q.shape[1 if layout == "bhsd" else 2], k.shape[1 if layout == "bhsd" else 2]
+    if b * s == 0 or hq + hk == 0 or d == 0:
+        return
+    cos, sin, cos_batch_stride, pos, pos_batch_stride, pos_seq_stride = _tables(cos, sin, position_ids, layout)
+    rot = cos.shape[-1]
+    block_h, block_half, block_rest = _settings(rot, d, max(hq, hk))
+    q_blocks = triton.cdiv(hq, block_h)
+    _rope_kernel[(b * s, q_blocks + triton.cdiv(hk, block_h))](
+        q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
+        s, hq, hk, q_blocks, cos.shape[-2],
+        *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(q_out, layout), *_bsh_strides(k_out, layout),
+        cos_batch_stride, cos.stride(-2), pos_batch_stride, pos_seq_stride,
+        ROT=rot, HEAD_DIM=d, INTERLEAVED=interleaved, BACKWARD=backward, HAS_POS=pos is not None,
+        COPY_REST=rot < d and q_out is not q, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
+        num_warps=NUM_WARPS,
+    )
+
+
+# ------------------------------------------------------------------ registered ops
+
+
+@torch.library.custom_op("onepass::rope", mutates_args=())
+def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str,
+          interleaved: bool, backward: bool) -> tuple[Tensor, Tensor]:
+    """(q', k') rotated (by the negated angle, transposed, with backward=True); contiguous outputs."""
+    q, k = _unit_last(q), _unit_last(k)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out)
+    return q_out, k_out
+
+
+@_rope.register_fake
+def _(q, k, cos, sin, position_ids, layout, interleaved, backward):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, position_ids, layout, interleaved, backward = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.layout, ctx.interleaved, ctx.backward = layout, interleaved, backward
+
+
+def _backward(ctx, dq_out, dk_out):
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = _rope(dq_out, dk_out, cos, sin, position_ids, ctx.layout, ctx.interleaved, not ctx.backward)
+    return dq, dk, None, None, None, None, None, None
+
+
+_rope.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("onepass::rope_", mutates_args=("q", "k"))
+def _rope_inplace(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str,
+                  interleaved: bool) -> None:
+    """Rotate q and k in place (no autograd: the public function refuses it when a gradient is needed)."""
+    _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, False, q, k)
+
+
+@_rope_inplace.register_fake
+def _(q, k, cos, sin, position_ids, layout, interleaved):
+    return None
+
+
+# ---------------------------------------------------------------- public function
+
+
+def _heads_seq(x: Tensor, layout: str) -> tuple[int, int]:
+    return (x.shape[1], x.shape[2]) if layout == "bhsd" else (x.shape[2], x.shape[1])
+
+
+def _check(q, k, cos, sin, position_ids, layout, style, inplace):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_float(name, t)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D ({layout}), got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    b, (_, s), d = q.shape[0], _heads_seq(q, layout), q.shape[-1]
+    if k.shape[0] != b or _heads_seq(k, layout)[1] != s or k.shape[-1] != d:
+        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, sequence and head dim ({layout})")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    r = cos.shape[-1] if cos.dim() else 0
+    if r % 2 or not 2 <= r <= d:
+        raise ValueError(f"cos/sin last dim (the rotated dims) must be even and in [2, {d}], got {r}")
+    if position_ids is None:
+        shapes = {(s, r)} | {(n, s, r) for n in (1, b)}
+        shapes |= {(n, 1, s, r) if layout == "bhsd" else (n, s, 1, r) for n in (1, b)}
+        if tuple(cos.shape) not in shapes:
+            raise ValueError(f"cos/sin must be [S, R], [B or 1, S, R] or HF's unsqueezed 4-D form with S={s}, "
+                             f"B={b}, R<={d}, got {tuple(cos.shape)}")
+    else:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError("position_ids must be an int32 or int64 tensor")
+        if tuple(position_ids.shape) not in {(s,), (1, s), (b, s)}:
+            raise ValueError(f"position_ids must be [S], [1, S] or [B, S] with S={s}, B={b}, "
+                             f"got {tuple(position_ids.shape)}")
+        if cos.dim() not in (2, 3) or (cos.dim() == 3 and cos.shape[0] != 1):
+            raise ValueError(f"with position_ids, cos/sin must be a [max_positions, R] table, got {tuple(cos.shape)}")
+        if not torch.compiler.is_compiling() and position_ids.numel():
+            # one device sync in eager; under torch.compile the kernel masks out-of-range rows instead
+            lo, hi = int(position_ids.min()), int(position_ids.max())
+            if lo < 0 or hi >= cos.shape[-2]:
+                raise ValueError(f"position_ids must lie in [0, {cos.shape[-2]}), got values in [{lo}, {hi}]")
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError("rope does not differentiate through cos/sin: build them without grad (as HF does)")
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            raise ValueError("inplace=True is for inference: q and k must not require grad (use inplace=False)")
+        if q.stride(-1) != 1 or k.stride(-1) != 1:
+            raise ValueError("inplace=True needs q and k with a unit stride along the head dim")
+    check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None = None,
+         layout: str = "bhsd", style: str = "half", inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """Rotary embedding of q and k in one launch: HF's ``apply_rotary_pos_emb(q, k, cos, sin)``.
+
+    ``layout``: "bhsd" ([batch, heads, seq, head_dim], HF's after the transpose) or "bshd"
+    ([batch, seq, heads, head_dim], straight from the projection). k may have fewer heads
+    than q (grouped-query attention). ``style``: "half" (Llama, NeoX: ``rotate_half``) or
+    "interleaved" (GPT-J, Cohere: pairs (x[2i], x[2i+1])).
+
+    cos/sin as Hugging Face's rotary embedding returns them: [B, S, R] (or [1, S, R],
+    [S, R], or already unsqueezed at the heads dim), in any float dtype; or, with
+    ``position_ids`` ([B, S], [1, S] or [S]), a [max_positions, R] table whose rows are
+    gathered in the kernel (eager checks the ids' range on the host: one device sync).
+    R = cos.shape[-1] may be less than head_dim (partial rotary): the rest passes through.
+    The "interleaved" style takes full-width tables, each angle at 2i and 2i+1 (GPT-J's
+    half-width tables: ``cos.repeat_interleave(2, -1)``).
+
+    Returns (q', k') in q's and k's dtypes, computed in fp32. ``inplace=True`` writes into
+    q and k and returns them; it is for inference and refuses inputs that require grad
+    (autograd would need the overwritten q and k: use the out-of-place form to train).
+    cos/sin get no gradient.
+    """
+    _check(q, k, cos, sin, position_ids, layout, style, inplace)
+    interleaved = style == "interleaved"
+    if not use_triton(q):
+        q_out, k_out = reference.rope(q, k, cos, sin, position_ids, layout, style)
+        return (q.copy_(q_out), k.copy_(k_out)) if inplace else (q_out, k_out)
+    if inplace:
+        _rope_inplace(q, k, cos, sin, position_ids, layout, interleaved)
+        return q, k
+    return _rope(q, k, cos, sin, position_ids, layout, interleaved, False)
