@@ -11,11 +11,15 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {"ops": "onepass.ops", "reference": "onepass.reference"}
+# public functions -> their module (onepass.patching: a module named optimize would shadow the function)
+_LAZY_FUNCTIONS = dict.fromkeys(("optimize", "undo", "optimize_report", "reference_mode"), "onepass.patching")
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY, *_LAZY_FUNCTIONS]
 
 
 def __getattr__(name):
     if name in _LAZY:
         return importlib.import_module(_LAZY[name])
+    if name in _LAZY_FUNCTIONS:
+        return getattr(importlib.import_module(_LAZY_FUNCTIONS[name]), name)
     raise AttributeError(f"module 'onepass' has no attribute {name!r}")

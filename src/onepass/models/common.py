@@ -1,0 +1,293 @@
+"""What every family's patch shares: the undo log, and the fused forwards of the parts
+that look alike across families (gated MLP, rotary attention, LM head + loss, the
+attention function registered with transformers).
+
+Everything here patches *instances*: a fused ``forward`` is set as an instance attribute
+(the class stays untouched, so other models in the process are unaffected), and norm
+modules are swapped for ``onepass.nn`` drop-ins that share their Parameter objects
+(state_dict keys and values unchanged). ``Patches`` records each change so that
+``onepass.undo`` restores the model exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from onepass import nn as onn
+from onepass import ops
+
+FUSED, UNFUSED = "fused", "unfused"
+
+# ---------------------------------------------------------------------------- undo log
+
+
+class Patches:
+    """An undo log of attribute and submodule changes, replayed backwards by ``undo``."""
+
+    def __init__(self) -> None:
+        self._log: list[tuple[Any, str, bool, Any]] = []
+        self._undo_hooks: list[Callable[[], None]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        """``setattr(obj, name, value)``, remembering whether ``obj`` had its own attribute."""
+        own = obj._modules if isinstance(obj, nn.Module) and name in obj._modules else obj.__dict__
+        self._log.append((obj, name, name in own, own.get(name)))
+        setattr(obj, name, value)
+
+    def set_forward(self, module: nn.Module, forward: Callable) -> None:
+        """Give this instance its own ``forward`` (an unbound function taking the module first)."""
+        self.set(module, "forward", types.MethodType(forward, module))
+
+    def on_undo(self, hook: Callable[[], None]) -> None:
+        self._undo_hooks.append(hook)
+
+    def undo(self) -> None:
+        for hook in reversed(self._undo_hooks):
+            hook()
+        for obj, name, had, old in reversed(self._log):
+            if isinstance(getattr(obj, name, None), (onn.RMSNorm, onn.LayerNorm)):
+                # Hand the drop-in's current parameters back (load_state_dict(assign=True)
+                # may have replaced them since the swap).
+                for pname, p in getattr(obj, name).named_parameters(recurse=False):
+                    setattr(old, pname, p)
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+        self._log.clear()
+        self._undo_hooks.clear()
+
+
+# ------------------------------------------------------------------------------ norms
+
+
+def swap_rms_norm(patches: Patches, parent: nn.Module, name: str, offset: float = 0.0) -> None:
+    patches.set(parent, name, onn.RMSNorm.from_hf(getattr(parent, name), offset))
+
+
+def swap_layer_norm(patches: Patches, parent: nn.Module, name: str) -> None:
+    patches.set(parent, name, onn.LayerNorm.from_hf(getattr(parent, name)))
+
+
+# ------------------------------------------------------------------ decoder layers
+
+
+def _hf_checkpoints_in_call() -> bool:
+    """Older transformers checkpoint a GradientCheckpointingLayer in ``__call__``; newer ones
+    (5.2x) wrap each subclass's ``forward``, which an instance ``forward`` bypasses."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" in GradientCheckpointingLayer.__dict__
+
+
+def layer_forward(fused: Callable) -> Callable:
+    """A decoder layer's fused forward, gradient-checkpointed as HF would when enabled."""
+    checkpoints_in_call = _hf_checkpoints_in_call()
+
+    @functools.wraps(fused)
+    def forward(self, *args, **kwargs):
+        if getattr(self, "gradient_checkpointing", False) and self.training and not checkpoints_in_call:
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            if kwargs.get("past_key_values") is not None:
+                kwargs["past_key_values"] = None
+            return self._gradient_checkpointing_func(functools.partial(fused, self, **kwargs), *args)
+        return fused(self, *args, **kwargs)
+
+    return forward
+
+
+# --------------------------------------------------------------------------------- MLP
+
+# HF activation names -> the onepass gated op that fuses ``act(gate) * up``.
+GATED = {
+    "silu": ops.swiglu,
+    "swish": ops.swiglu,
+    "gelu_pytorch_tanh": functools.partial(ops.geglu, approximate="tanh"),
+    "gelu_new": functools.partial(ops.geglu, approximate="tanh"),
+    "gelu": functools.partial(ops.geglu, approximate="none"),
+}
+
+
+def gated_mlp_forward(gated: Callable) -> Callable:
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation and product fused.
+
+    The projections are called as modules, so PEFT LoRA layers on them keep working.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(gated(self.gate_proj(x), self.up_proj(x)))
+
+    return forward
+
+
+def patch_gated_mlps(patches: Patches, layers, act_name: str) -> str:
+    gated = GATED.get(act_name)
+    if gated is None:
+        return f"{UNFUSED}: activation {act_name!r} has no fused onepass op (known: {sorted(GATED)})"
+    forward = gated_mlp_forward(gated)
+    for layer in layers:
+        patches.set_forward(layer.mlp, forward)
+    return f"{FUSED}: {getattr(gated, 'func', gated).__name__} ({act_name})"
+
+
+# --------------------------------------------------------------- rotary attention
+
+
+def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
+    """The attention block of the rotary families with RoPE done by ``rope`` on the
+    [batch, seq, heads, dim] projections (no transposed copies); q/k norms (Qwen3, Gemma 3)
+    are applied per head first. Attention itself goes through transformers' registry, so
+    ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = rope(q, k, cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
+        extra = {"softcap": self.attn_logit_softcapping} if passes_softcap else {}
+        out, weights = attention(
+            self, q, k, v, attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
+            **extra, **kwargs,
+        )
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+    return forward
+
+
+def patch_rotary_attention(patches: Patches, layers, passes_softcap: bool = False) -> str:
+    rope = getattr(ops, "rope", None)
+    if rope is None:
+        return f"{UNFUSED}: onepass.ops.rope is not in this build"
+    forward = rotary_attention_forward(functools.partial(rope, layout="bshd"), passes_softcap)
+    for layer in layers:
+        patches.set_forward(layer.self_attn, forward)
+    return f"{FUSED}: rope on q and k in one pass, [batch, seq, heads, dim] layout"
+
+
+# ------------------------------------------------------------ attention (registry)
+
+
+def _eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                     **kwargs):
+    """HF's eager attention (Gemma 2's, which knows softcap); masks here are boolean (sdpa style)."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+    return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   softcap=softcap)
+
+
+def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function "onepass": [batch, heads, seq, dim] in, [batch, seq, heads, dim] out.
+
+    The onepass kernel covers training and prefill (no explicit mask: causal, sliding window
+    and softcap are built in). A padding mask, attention dropout or a decode step (fewer
+    queries than keys) goes to PyTorch's SDPA, or to the eager path when softcap is set.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and dropout == 0.0 and query.shape[2] == key.shape[2]:
+        out = ops.attention(query, key, value, causal=causal, scale=scaling, window=sliding_window, softcap=softcap)
+        return out.transpose(1, 2), None
+    if softcap is not None:
+        return _eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                softcap=softcap)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _onepass_mask(*args, q_length, kv_length, local_size=None, **kwargs):
+    """SDPA's boolean masks, except that a sliding window with as many queries as keys and no
+    padding needs no mask: the onepass kernel applies the window itself."""
+    from transformers.masking_utils import sdpa_mask
+
+    if q_length == kv_length:
+        local_size = None
+    return sdpa_mask(*args, q_length=q_length, kv_length=kv_length, local_size=local_size, **kwargs)
+
+
+def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
+    if getattr(ops, "attention", None) is None:
+        return f"{UNFUSED}: onepass.ops.attention is not in this build"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("onepass", onepass_attention)
+    AttentionMaskInterface.register("onepass", _onepass_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("onepass")
+    patches.on_undo(lambda: model.set_attn_implementation(previous))
+    return f"{FUSED}: attn_implementation 'onepass' (was {previous!r}); padding masks and decode use SDPA"
+
+
+# --------------------------------------------------------------------- LM head + loss
+
+
+def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
+    """With labels in training: the base model, then the LM head and the shifted
+    cross-entropy in one ``linear_cross_entropy`` (logits never materialised; the output's
+    ``logits`` is None). Otherwise (inference, generate, no labels) the original forward."""
+
+    def forward(self, input_ids=None, *args, labels=None, **kwargs):
+        if labels is None or not self.training or args:
+            return original(input_ids, *args, labels=labels, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        kwargs.pop("logits_to_keep", None)
+        return_dict = kwargs.pop("return_dict", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        out = self.base_model(input_ids, **kwargs)
+        hidden = out[0]
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        loss = ops.linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shift_labels.reshape(-1).to(hidden.device),
+            bias=self.lm_head.bias, ignore_index=ignore_index,
+            reduction="mean" if num_items is None else "sum", softcap=softcap,
+        )
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        result = CausalLMOutputWithPast(
+            loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+            hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None),
+        )
+        return result.to_tuple() if return_dict is False else result
+
+    return forward
+
+
+def patch_lm_loss(patches: Patches, model: nn.Module, softcap: float | None = None) -> str:
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return f"{UNFUSED}: {type(model).__name__} has no lm_head (not a causal LM)"
+    if type(head) is not nn.Linear:
+        return f"{UNFUSED}: lm_head is a {type(head).__name__}, not a plain nn.Linear"
+    if getattr(ops, "linear_cross_entropy", None) is None:
+        return f"{UNFUSED}: onepass.ops.linear_cross_entropy is not in this build"
+    patches.set_forward(model, causal_lm_forward(model.forward, softcap))
+    return f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"

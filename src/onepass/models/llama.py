@@ -1,0 +1,51 @@
+"""Llama-shaped decoders: Llama 2/3.x, Mistral, Qwen2 and Qwen3 (per-head q/k norms).
+
+The layer (pre-norm, residual stream h):
+
+    HF:       a = attn(rms(h));  h = h + a;  h = h + mlp(rms(h))
+    onepass:  a = attn(rms(h));  y, h = add_rms_norm(a, h);  h = h + mlp(y)
+
+so the residual add and the second norm are one pass that writes both the new stream
+and the normed input of the MLP; the MLP's ``silu(gate) * up`` is ``swiglu``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from onepass.models import common
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _layer(self, hidden_states: Tensor, **kwargs) -> Tensor:
+    normed = self.input_layernorm(hidden_states)
+    attn, _ = self.self_attn(hidden_states=normed, **kwargs)
+    normed, hidden_states = self.post_attention_layernorm(attn, hidden_states)
+    return hidden_states + self.mlp(normed)
+
+
+def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:
+    base, config = model.base_model, model.config
+    layers = base.layers
+    status = {}
+    if switches["norm"]:
+        forward = common.layer_forward(_layer)
+        for layer in layers:
+            common.swap_rms_norm(patches, layer, "input_layernorm")
+            common.swap_rms_norm(patches, layer, "post_attention_layernorm")
+            if hasattr(layer.self_attn, "q_norm"):
+                common.swap_rms_norm(patches, layer.self_attn, "q_norm")
+                common.swap_rms_norm(patches, layer.self_attn, "k_norm")
+            patches.set_forward(layer, forward)
+        common.swap_rms_norm(patches, base, "norm")
+        status["norm"] = f"{common.FUSED}: rms_norm; residual add + norm in add_rms_norm"
+    if switches["activation"]:
+        status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_act)
+    if switches["rope"]:
+        status["rope"] = common.patch_rotary_attention(patches, layers)
+    if switches["attention"]:
+        status["attention"] = common.use_onepass_attention(patches, model)
+    if switches["loss"]:
+        status["loss"] = common.patch_lm_loss(patches, model)
+    return status

@@ -1,0 +1,88 @@
+"""nn.Module drop-ins over the onepass ops, parameter-compatible with Hugging Face's.
+
+Each module keeps the parameter names of the module it replaces (``weight``, ``bias``), so
+a state_dict saved from one loads into the other unchanged. ``from_hf`` builds a drop-in
+that shares the original module's Parameter objects: an optimizer, a PEFT wrapper or a
+tied weight that holds them keeps working after ``onepass.optimize`` swaps the module.
+
+The norms also take the residual stream: ``norm(x, residual)`` returns
+``(norm(residual + x), residual + x)`` from one fused pass (``add_rms_norm`` /
+``add_layer_norm``), which is how the patched decoder layers carry the stream.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from onepass import ops
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.
+
+    ``offset=0`` is Llama's RMSNorm (weight initialised to ones); ``offset=1`` is Gemma's,
+    which stores ``scale - 1`` (weight initialised to zeros) and scales in fp32.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        init = torch.ones if offset == 0 else torch.zeros
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.offset = offset
+
+    @classmethod
+    def from_hf(cls, module: nn.Module, offset: float = 0.0) -> "RMSNorm":
+        """A drop-in sharing ``module.weight`` (eps read from ``variance_epsilon`` or ``eps``)."""
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None:
+            raise ValueError(f"{type(module).__name__} has no variance_epsilon or eps attribute")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.weight, new.eps, new.offset = module.weight, float(eps), offset
+        return new
+
+    def scale(self) -> Tensor:
+        # Gemma adds the offset in fp32 (HF: ``1.0 + weight.float()``); a [hidden] vector, cheap.
+        return self.weight if self.offset == 0 else self.weight.float() + self.offset
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.scale(), self.eps)
+        return ops.add_rms_norm(x, residual, self.scale(), self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, onepass"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim, the parameters of ``nn.LayerNorm`` (``weight``, ``bias``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_hf(cls, module: nn.LayerNorm) -> "LayerNorm":
+        """A drop-in sharing the parameters of an ``nn.LayerNorm`` over one (the last) dim."""
+        if len(module.normalized_shape) != 1 or module.weight is None:
+            raise ValueError(f"only LayerNorms over the last dim with a weight are supported, got {module}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.normalized_shape, new.eps = tuple(module.normalized_shape), float(module.eps)
+        new.weight, new.bias = module.weight, module.bias
+        return new
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, onepass"

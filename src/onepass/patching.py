@@ -1,0 +1,111 @@
+"""``onepass.optimize(model)``: run a loaded Hugging Face model on onepass kernels.
+
+    model = onepass.optimize(model)             # every switch on
+    model = onepass.optimize(model, loss=False) # per-op switches
+    print(onepass.optimize_report(model))       # what is fused, what is not and why
+    onepass.undo(model)                         # back to the model as loaded
+
+The model is patched in place, instance by instance (other models in the process are
+untouched): norm modules become ``onepass.nn`` drop-ins sharing their Parameters (state_dict
+keys and checkpoints unchanged both ways), and decoder layers, MLPs, attention blocks and
+the causal-LM head get fused forwards (see ``onepass/models/<family>.py``). Attention goes
+through transformers' attention-function registry as ``attn_implementation="onepass"``.
+
+Debugging: ``ONEPASS_REFERENCE=1`` in the environment, or ``with onepass.reference_mode():``,
+runs every onepass op as its plain PyTorch reference (same patched model, no Triton).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from typing import Iterator
+
+from torch import nn
+
+from onepass.models.common import FUSED, Patches
+from onepass.ops import _launch
+
+SWITCHES = ("norm", "activation", "rope", "attention", "loss")
+
+# config.model_type -> the module under onepass.models that patches it
+FAMILIES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+    "gemma2": "gemma", "gemma3_text": "gemma",
+    "gpt2": "gpt2",
+}
+
+_STATE = "_onepass_state"  # attribute holding (Patches, report) on an optimized model
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(inner, "config") or not hasattr(inner, "base_model"):
+        raise TypeError(f"expected a Hugging Face transformers model, got {type(model).__name__}")
+    return inner
+
+
+def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, rope: bool = True,
+             attention: bool = True, loss: bool = True) -> nn.Module:
+    """Patch ``model`` in place to run on onepass kernels; returns it.
+
+    Switches: ``norm`` (norms, and residual add + norm fused), ``activation`` (the MLP's
+    gated activation or bias + GELU), ``rope``, ``attention`` (the onepass attention
+    kernel through transformers' registry) and ``loss`` (LM head + cross-entropy without
+    materialising logits, when labels are given in training). What stays unfused, and why,
+    is warned about and listed by ``optimize_report(model)``.
+    """
+    hf = _hf_model(model)
+    if hasattr(hf, _STATE):
+        raise RuntimeError("this model is already optimized by onepass; call onepass.undo(model) first")
+    model_type = getattr(hf.config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        hint = " (the text model: Gemma3ForCausalLM, model_type 'gemma3_text')" if model_type == "gemma3" else ""
+        raise ValueError(f"onepass.optimize does not support model_type {model_type!r}{hint}; "
+                         f"supported: {', '.join(sorted(FAMILIES))}")
+    switches = {"norm": norm, "activation": activation, "rope": rope, "attention": attention, "loss": loss}
+    patches = Patches()
+    try:
+        status = importlib.import_module(f"onepass.models.{family}").patch(hf, patches, switches)
+    except BaseException:
+        patches.undo()
+        raise
+    report = {name: status.get(name, "off") for name in SWITCHES}
+    setattr(hf, _STATE, (patches, report))
+    unfused = {k: v for k, v in report.items() if switches[k] and not v.startswith((FUSED, "n/a"))}
+    if unfused:
+        listing = "; ".join(f"{k}: {v}" for k, v in unfused.items())
+        warnings.warn(f"onepass.optimize({type(hf).__name__}): partly fused. {listing}", stacklevel=2)
+    return model
+
+
+def undo(model: nn.Module) -> nn.Module:
+    """Restore a model optimized by ``optimize`` to its original modules and forwards."""
+    hf = _hf_model(model)
+    state = hf.__dict__.pop(_STATE, None)
+    if state is None:
+        raise RuntimeError("this model was not optimized by onepass")
+    state[0].undo()
+    return model
+
+
+def optimize_report(model: nn.Module) -> dict[str, str]:
+    """Per switch: "fused: how", "unfused: why", "n/a: why" or "off"."""
+    state = getattr(_hf_model(model), _STATE, None)
+    if state is None:
+        raise RuntimeError("this model was not optimized by onepass")
+    return dict(state[1])
+
+
+@contextlib.contextmanager
+def reference_mode() -> Iterator[None]:
+    """Inside this block every onepass op runs its PyTorch reference (like ONEPASS_REFERENCE=1)."""
+    previous = _launch.force_reference
+    _launch.force_reference = True
+    try:
+        yield
+    finally:
+        _launch.force_reference = previous
