@@ -1,0 +1,702 @@
+"""Fused attention (FlashAttention-2 style), forward and backward.
+
+Math, per (batch, q head h, query i), with kv head h // group (grouped-query):
+
+    s_ij  = scale * q_i . k_j                 (softcap c: s_ij = c * tanh(scale * q_i . k_j / c))
+    s_ij  = -inf where key j is not visible   (causal / sliding window / sequence end)
+    lse_i = log sum_j exp(s_ij),   p_ij = exp(s_ij - lse_i),   o_i = sum_j p_ij v_j
+
+Backward (dO given; dLSE too when the caller used the returned LSE):
+
+    delta_i = sum_d dO_id * o_id - dLSE_i
+    dv_j    = sum_i p_ij dO_i           dp_ij = dO_i . v_j
+    ds_ij   = p_ij (dp_ij - delta_i)    (softcap: ds_ij *= 1 - (s_ij / c)^2)
+    dq_i    = scale * sum_j ds_ij k_j   dk_j  = scale * sum_i ds_ij q_i
+
+Visibility (see ``onepass.reference.attention``): queries are aligned to the end of the
+keys, so query i is at key position p = i + S_k - S_q and sees keys p - before ... p + after
+(-1 = unbounded; causal means after = 0).
+
+Byte budget (B batch, H q heads, Hk kv heads, S_q, S_k, head dim D, element size e):
+
+    pass              unfused PyTorch (HF eager)                    fused minimum
+    forward           q,k,v + repeat_kv copies + 4-5 passes over     read q, k, v; write o, lse
+                      the B*H*S_q*S_k scores (fp32)                  e*D*(2*B*H*S_q + 2*B*Hk*S_k)
+    backward          autograd keeps the S_q*S_k probabilities       read q,k,v,o,dO; write dq,dk,dv
+    memory            O(S_q * S_k) per head                          O(S) (lse, delta: 4 bytes/row)
+
+The FLOPs dominate (4*B*H*S_q*S_k*D forward, x2.5 backward, halved by causal), so the
+benchmark reports TFLOP/s.
+
+Forward: grid (query blocks, B*H). Online softmax in fp32 with exp2 (the scale folded
+into log2 e). The key tiles a query block sees split into at most three runs: masked
+tiles before (sliding window), unmasked tiles in the middle, masked tiles at the end
+(diagonal / window / sequence end); only the masked runs evaluate the mask, and tiles no
+query sees are never visited. Causal grids run the heaviest (last) query blocks first.
+
+Backward (FA2, no atomics): a preprocess kernel computes delta; a kernel over key blocks
+accumulates dK and dV in registers, looping over the query blocks and over all q heads of
+its kv group (so GQA needs no per-q-head dK/dV copies and no reduction afterwards); a
+kernel over query blocks accumulates dQ.
+
+Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
+(int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
+without reading cu_seqlens, so no device sync); each program finds its sequence by a
+prefix sum of the per-sequence block counts, and spare programs do nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._launch import check_float, check_same_device, interpreting, use_triton
+from onepass.reference.attention import window_bounds
+
+MAX_HEAD_DIM = 256
+
+# Launch settings per kernel and padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# BLOCK_M walks queries, BLOCK_N keys: the forward and dQ kernels own BLOCK_M queries and
+# loop over BLOCK_N keys; the dK/dV kernel owns BLOCK_N keys and loops over BLOCK_M queries.
+# Starting points from Triton's fused-attention tutorial (H100); to be swept on the H200
+# (head dims up to 64 use the 64 row). The lead's sweep edits this table and nothing else.
+CONFIGS = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
+    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 3), 256: (32, 64, 8, 2)},
+    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 8, 3), 256: (64, 32, 8, 2)},
+}
+# The interpreter: small tiles (so short test sequences cross tile edges), M != N on purpose.
+INTERPRETER_CONFIGS = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
+
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tanh(x):
+    # through exp2: runs the same in the interpreter and on sm_90 (no libdevice)
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in log2 units from raw dot products; also tanh(.) for the softcap derivative."""
+    if SOFTCAP:
+        t = _tanh(qk * (scale / softcap))
+        s = t * (softcap * 1.4426950408889634)
+    else:
+        t = qk
+        s = qk * (scale * 1.4426950408889634)
+    return s, t
+
+
+@triton.jit
+def _visible(qi, kj, seqlen_q, seqlen_k, offset, before, after,
+             BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr):
+    """Which (query, key) pairs attend; qi and kj broadcast against each other."""
+    ok = (qi < seqlen_q) & (kj < seqlen_k)
+    if BOUND_BEFORE:
+        ok &= kj >= qi + offset - before
+    if BOUND_AFTER:
+        ok &= kj <= qi + offset + after
+    return ok
+
+
+@triton.jit
+def _tile_runs(start, n_other, offset, before, after, BLOCK_OWN: tl.constexpr, BLOCK_OTHER: tl.constexpr,
+               BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr):
+    """Tiles of the other axis seen by own rows [start, start + BLOCK_OWN), where own row r
+    sees other index c iff r + offset - before <= c <= r + offset + after and c < n_other.
+
+    Returns (lo, full_lo, full_hi, hi): tiles from lo step BLOCK_OTHER; [lo, full_lo) and
+    [full_hi, hi) need the mask, [full_lo, full_hi) is seen by every own row.
+    """
+    lo = start * 0
+    full_lo = lo
+    hi = start * 0 + n_other
+    full_hi = hi
+    if BOUND_BEFORE:
+        lo = tl.maximum(start + offset - before, 0) // BLOCK_OTHER * BLOCK_OTHER
+        # first index the last own row sees, rounded up to a tile edge
+        full_lo = lo + tl.cdiv(tl.maximum(start + BLOCK_OWN - 1 + offset - before - lo, 0), BLOCK_OTHER) * BLOCK_OTHER
+    if BOUND_AFTER:
+        hi = tl.minimum(start + BLOCK_OWN + offset + after, n_other)
+        full_hi = tl.minimum(start + offset + after + 1, n_other)  # end of what the first own row sees
+    full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_OTHER * BLOCK_OTHER
+    full_lo = tl.minimum(full_lo, lo + tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_OTHER) * BLOCK_OTHER)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _locate(pid_block, pid_head, n_heads, cu_seqlens_ptr, n_seqs, total, seqlen,
+            BLOCK: tl.constexpr, VARLEN: tl.constexpr, BLOCK_SEQS: tl.constexpr):
+    """(sequence, head, block of that sequence, first row of the sequence, its length).
+
+    Dense: axis 1 is batch * heads. Varlen: axis 1 is the head; the program finds its
+    sequence from the prefix sum of per-sequence block counts (spare programs get length 0).
+    """
+    if VARLEN:
+        idx = tl.arange(0, BLOCK_SEQS)
+        valid = idx < n_seqs
+        starts = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + idx, mask=valid, other=0), 0), total)
+        ends = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + idx + 1, mask=valid, other=0), starts), total)
+        blocks = (ends - starts + BLOCK - 1) // BLOCK
+        cum = tl.cumsum(blocks, 0)
+        seq = tl.sum((cum <= pid_block).to(tl.int32), 0)
+        mine = idx == seq
+        block = pid_block - tl.sum(tl.where(mine, cum - blocks, 0), 0)
+        row_start = tl.sum(tl.where(mine, starts, 0), 0)
+        length = tl.sum(tl.where(mine, ends - starts, 0), 0)
+        head = pid_head
+    else:
+        seq = pid_head // n_heads
+        head = pid_head % n_heads
+        block = pid_block
+        row_start = pid_block * 0
+        length = pid_block * 0 + seqlen
+    return seq, head, block, row_start, length
+
+
+@triton.jit
+def _load_rows(base, rows, row_stride, offs_d, n_rows, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile (rows int64 indices from the sequence start); zero outside."""
+    ptrs = base + rows[:, None] * row_stride + offs_d[None, :]
+    if CHECK_ROWS:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(base, rows, row_stride, offs_d, n_rows, value, HEAD_DIM: tl.constexpr):
+    mask = (rows < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(base + rows[:, None] * row_stride + offs_d[None, :], value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_row_stride, v_row_stride, start, end, q_idx, offs_n, offs_d,
+               seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+               MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over the key tiles [start, end): rescale acc, l, m per tile."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_rows(k_base, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
+        s, _ = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
+        if MASKED:
+            ok = _visible(q_idx[:, None], cols[None, :], seqlen_q, seqlen_k, offset, before, after,
+                          BOUND_BEFORE, BOUND_AFTER)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:  # a row with nothing visible yet keeps m = -inf: subtract 0 instead
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_base, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
+    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
+    v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s, lse_stride_b, lse_stride_h,
+    seqlen_q, seqlen_k, n_heads, group, n_seqs, total, scale, softcap, before, after,
+    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if BOUND_AFTER:  # causal: the last query blocks see the most keys, start them first
+        pid = tl.num_programs(0) - 1 - pid
+    b, h, m_block, row_start, length = _locate(pid, tl.program_id(1), n_heads, cu_seqlens_ptr, n_seqs, total,
+                                               seqlen_q, BLOCK_M, VARLEN, BLOCK_SEQS)
+    if VARLEN:
+        seqlen_q = length
+        seqlen_k = length
+    offset = seqlen_k - seqlen_q
+    b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
+    start_m = m_block * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
+    k_base = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
+    v_base = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    q = _load_rows(q_base, offs_m.to(tl.int64), q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
+                                          BOUND_BEFORE, BOUND_AFTER)
+    offs_n64 = offs_n.to(tl.int64)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, offs_m,
+                               offs_n64, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+                               True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, offs_m,
+                               offs_n64, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+                               False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, offs_m,
+                               offs_n64, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+                               True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+
+    empty = l_i == 0.0  # no visible key: output 0, LSE -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_base = o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s
+    _store_rows(o_base, offs_m.to(tl.int64), o_stride_s, offs_d, seqlen_q, acc / l_safe[:, None], HEAD_DIM)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    tl.store(lse_ptr + b64 * lse_stride_b + h64 * lse_stride_h + row64 + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr, cu_seqlens_ptr,
+    o_stride_b, o_stride_h, o_stride_s, do_stride_b, do_stride_h, do_stride_s, lse_stride_b, lse_stride_h,
+    seqlen_q, n_heads, n_seqs, total,
+    HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dLSE, in the LSE's layout."""
+    b, h, m_block, row_start, length = _locate(tl.program_id(0), tl.program_id(1), n_heads, cu_seqlens_ptr,
+                                               n_seqs, total, seqlen_q, BLOCK_M, VARLEN, BLOCK_SEQS)
+    b64, h64, row64 = b.to(tl.int64), h.to(tl.int64), row_start.to(tl.int64)
+    rows = (m_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s, rows, o_stride_s, offs_d,
+                   length, True, HEAD_DIM, BLOCK_D)
+    do = _load_rows(do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s, rows, do_stride_s, offs_d,
+                    length, True, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    at = b64 * lse_stride_b + h64 * lse_stride_h + row64 + rows
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + at, mask=rows < length, other=0.0)
+    tl.store(delta_ptr + at, delta, mask=rows < length)
+
+
+@triton.jit
+def _load_stats(lse_ptr, delta_ptr, at, rows, n_rows):
+    """LSE (log2 units) and delta of some query rows; rows that see nothing get LSE +inf, so p = 0."""
+    lse = tl.load(lse_ptr + at, mask=rows < n_rows, other=float("inf")) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    return lse, tl.load(delta_ptr + at, mask=rows < n_rows, other=0.0)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_base, delta_base, start, end, k_idx,
+                offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+                MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV of one key block from the query tiles [start, end), in the transposed
+    orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q."""
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        q = _load_rows(q_base, rows, q_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
+        do = _load_rows(do_base, rows, do_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
+        lse, delta = _load_stats(lse_base, delta_base, rows, rows, seqlen_q)
+        sT, tT = _scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), scale, softcap, SOFTCAP)
+        if MASKED:
+            ok = _visible(rows[None, :], k_idx[:, None], seqlen_q, seqlen_k, offset, before, after,
+                          BOUND_BEFORE, BOUND_AFTER)
+            sT = tl.where(ok, sT, float("-inf"))
+        pT = tl.exp2(sT - lse[None, :])
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT *= 1.0 - tT * tT
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
+    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
+    do_stride_b, do_stride_h, do_stride_s, dk_stride_b, dk_stride_h, dk_stride_s,
+    dv_stride_b, dv_stride_h, dv_stride_s, lse_stride_b, lse_stride_h,
+    seqlen_q, seqlen_k, n_kv_heads, group, n_seqs, total, scale, softcap, before, after,
+    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b, hk, n_block, row_start, length = _locate(tl.program_id(0), tl.program_id(1), n_kv_heads, cu_seqlens_ptr,
+                                                n_seqs, total, seqlen_k, BLOCK_N, VARLEN, BLOCK_SEQS)
+    if VARLEN:
+        seqlen_q = length
+        seqlen_k = length
+    offset = seqlen_k - seqlen_q
+    b64, hk64, row64 = b.to(tl.int64), hk.to(tl.int64), row_start.to(tl.int64)
+    start_n = n_block * BLOCK_N
+    k_idx = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_rows(k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s, k_idx.to(tl.int64),
+                   k_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
+    v = _load_rows(v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s, k_idx.to(tl.int64),
+                   v_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # the queries that see this key block: the forward's bounds with the roles swapped
+    lo, full_lo, full_hi, hi = _tile_runs(start_n, seqlen_q, -offset, after, before, BLOCK_N, BLOCK_M,
+                                          BOUND_AFTER, BOUND_BEFORE)
+    for g in range(0, group):  # every q head of the kv group adds into the same registers
+        h64 = hk64 * group + g
+        q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
+        do_base = do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s
+        stats = b64 * lse_stride_b + h64 * lse_stride_h + row64
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                             delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                             before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                             delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                             before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                             delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                             before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, PRECISION)
+    rows = k_idx.to(tl.int64)
+    _store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
+                seqlen_k, dk * scale, HEAD_DIM)
+    _store_rows(dv_ptr + b64 * dv_stride_b + hk64 * dv_stride_h + row64 * dv_stride_s, rows, dv_stride_s, offs_d,
+                seqlen_k, dv, HEAD_DIM)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_row_stride, v_row_stride, start, end, q_idx, offs_n, offs_d,
+              seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+              MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ of one query block from the key tiles [start, end)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_rows(k_base, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_base, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
+        s, t = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
+        if MASKED:
+            ok = _visible(q_idx[:, None], cols[None, :], seqlen_q, seqlen_k, offset, before, after,
+                          BOUND_BEFORE, BOUND_AFTER)
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds *= 1.0 - t * t
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
+    do_stride_b, do_stride_h, do_stride_s, dq_stride_b, dq_stride_h, dq_stride_s, lse_stride_b, lse_stride_h,
+    seqlen_q, seqlen_k, n_heads, group, n_seqs, total, scale, softcap, before, after,
+    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if BOUND_AFTER:
+        pid = tl.num_programs(0) - 1 - pid
+    b, h, m_block, row_start, length = _locate(pid, tl.program_id(1), n_heads, cu_seqlens_ptr, n_seqs, total,
+                                               seqlen_q, BLOCK_M, VARLEN, BLOCK_SEQS)
+    if VARLEN:
+        seqlen_q = length
+        seqlen_k = length
+    offset = seqlen_k - seqlen_q
+    b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
+    start_m = m_block * BLOCK_M
+    q_idx = start_m + tl.arange(0, BLOCK_M)
+    rows = q_idx.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s, rows, q_stride_s, offs_d,
+                   seqlen_q, True, HEAD_DIM, BLOCK_D)
+    do = _load_rows(do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s, rows, do_stride_s, offs_d,
+                    seqlen_q, True, HEAD_DIM, BLOCK_D)
+    stats = b64 * lse_stride_b + h64 * lse_stride_h + row64 + rows
+    lse, delta = _load_stats(lse_ptr, delta_ptr, stats, rows, seqlen_q)
+    k_base = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
+    v_base = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
+                                          BOUND_BEFORE, BOUND_AFTER)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, q_idx, offs_n, offs_d,
+                   seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER,
+                   SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, q_idx, offs_n,
+                   offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, False, BOUND_BEFORE,
+                   BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, q_idx, offs_n, offs_d,
+                   seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER,
+                   SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    _store_rows(dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s, rows, dq_stride_s, offs_d,
+                seqlen_q, dq * scale, HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def block_d_for(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def launch_config(kernel: str, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for one kernel of this file."""
+    if interpreting():
+        return INTERPRETER_CONFIGS[kernel]
+    return CONFIGS[kernel][max(64, block_d_for(head_dim))]
+
+
+def precision_for(dtype: torch.dtype) -> str:
+    """fp32 inputs (tests) multiply in full fp32, not TF32; 16-bit inputs ignore this."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _Geometry:
+    """The [B, H, S, D] strided views the kernels index, and the grid facts of one call."""
+
+    def __init__(self, q, k, layout, cu_seqlens):
+        self.varlen = cu_seqlens is not None
+        self.layout = layout
+        qv, kv = self.view(q), self.view(k)
+        self.batch, self.heads, self.seqlen_q, self.head_dim = qv.shape
+        self.kv_heads, self.seqlen_k = kv.shape[1], kv.shape[2]
+        self.group = self.heads // self.kv_heads
+        self.n_seqs = cu_seqlens.numel() - 1 if self.varlen else self.batch
+        self.total = self.seqlen_q if self.varlen else 0
+        self.block_seqs = triton.next_power_of_2(self.n_seqs + 1) if self.varlen else 1
+        self.cu_seqlens = cu_seqlens
+        self.block_d = block_d_for(self.head_dim)
+
+    def view(self, t: Tensor) -> Tensor:
+        if self.varlen:  # [total, H, D] -> [1, H, total, D]
+            return t.unsqueeze(0).transpose(1, 2)
+        return t.transpose(1, 2) if self.layout == "bshd" else t
+
+    def strides(self, t: Tensor) -> tuple[int, int, int]:
+        sb, sh, ss = self.view(t).stride()[:3]
+        return (0 if self.varlen else sb), sh, ss  # varlen: the kernel's batch index is the sequence
+
+    def lse_shape(self) -> tuple[int, ...]:
+        return (self.heads, self.total) if self.varlen else (self.batch, self.heads, self.seqlen_q)
+
+    def lse_strides(self) -> tuple[int, int]:
+        return (0, self.total) if self.varlen else (self.heads * self.seqlen_q, self.seqlen_q)
+
+    def grid(self, block: int, heads: int, seqlen: int) -> tuple[int, int]:
+        if self.varlen:
+            return (triton.cdiv(self.total, block) + self.n_seqs, heads)
+        return (triton.cdiv(seqlen, block), self.batch * heads)
+
+    def seq_args(self) -> tuple:
+        return self.n_seqs, self.total
+
+    def cu(self, fallback: Tensor) -> Tensor:
+        return self.cu_seqlens if self.varlen else fallback
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    g = _Geometry(q, k, layout, cu_seqlens)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(g.lse_shape(), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return o, lse
+    block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim)
+    _attn_fwd_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
+        q, k, v, o, lse, g.cu(lse),
+        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.lse_strides(),
+        g.seqlen_q, g.seqlen_k, g.heads, g.group, *g.seq_args(), scale, softcap or 1.0, before, after,
+        BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
+        HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs,
+        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, lse
+
+
+def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, after, softcap, layout):
+    do, q, k, v, o = (_unit_stride(t) for t in (do, q, k, v, o))
+    g = _Geometry(q, k, layout, cu_seqlens)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq, dk.zero_(), dv.zero_()
+    delta = torch.empty_like(lse)
+    dlse = dlse.contiguous() if dlse is not None else None  # indexed with lse's strides (autograd may expand it)
+    common = dict(BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
+                  HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs, PRECISION=precision_for(q.dtype))
+    masks = (scale, softcap or 1.0, before, after)
+
+    block_m = launch_config("dq", g.head_dim)[0]
+    _attn_bwd_preprocess_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
+        o, do, dlse if dlse is not None else lse, delta, g.cu(lse),
+        *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *g.seq_args(),
+        HAS_DLSE=dlse is not None, VARLEN=g.varlen, HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_D=g.block_d,
+        BLOCK_SEQS=g.block_seqs,
+    )
+    block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim)
+    _attn_bwd_dkdv_kernel[g.grid(block_n, g.kv_heads, g.seqlen_k)](
+        q, k, v, do, lse, delta, dk, dv, g.cu(lse),
+        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
+        *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *g.seq_args(), *masks,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
+    )
+    block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim)
+    _attn_bwd_dq_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
+        q, k, v, do, lse, delta, dq, g.cu(lse),
+        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dq), *g.lse_strides(),
+        g.seqlen_q, g.seqlen_k, g.heads, g.group, *g.seq_args(), *masks,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
+    )
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------ registered ops
+
+
+@torch.library.custom_op("onepass::attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], scale: float, before: int,
+                   after: int, softcap: float, layout: str) -> tuple[Tensor, Tensor]:
+    """Returns (o, lse): o in q's layout, lse fp32 [B, H, S_q] (varlen: [H, total])."""
+    return _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout)
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
+    g = _Geometry(q, k, layout, cu_seqlens)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(g.lse_shape(),
+                                                                                    dtype=torch.float32)
+
+
+@torch.library.custom_op("onepass::attention_bwd", mutates_args=())
+def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                   cu_seqlens: Optional[Tensor], scale: float, before: int, after: int, softcap: float,
+                   layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, after, softcap, layout)
+
+
+@_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, after, softcap, layout):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, scale, before, after, softcap, layout = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    ctx.args = (scale, before, after, softcap, layout)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    if do is None:  # only the LSE was used
+        do = torch.zeros_like(o)
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- public function
+
+
+def _check(q, k, v, scale, window, softcap, layout, cu_seqlens):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    check_same_device(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None:
+        if layout != "bshd" or q.dim() != 3:
+            raise ValueError("with cu_seqlens, q, k and v are packed [total, heads, head_dim] (layout='bshd'), "
+                             f"got layout={layout!r} and q of shape {tuple(q.shape)}")
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+                or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D int32 tensor [n_seqs + 1] of cumulative lengths")
+        if not q.shape[0] == k.shape[0] == v.shape[0]:
+            raise ValueError(f"packed q, k and v must have one total length, got {q.shape[0]}, {k.shape[0]}, "
+                             f"{v.shape[0]}")
+    elif q.dim() != 4:
+        raise ValueError(f"q must be 4-D [{', '.join(layout.upper())}], got shape {tuple(q.shape)}")
+    if k.shape != v.shape or k.dim() != q.dim():
+        raise ValueError(f"k and v must have one shape of q's rank, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    head_axis = 2 if cu_seqlens is None and layout == "bshd" else 1
+    if cu_seqlens is None and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have one batch size, got {q.shape[0]} and {k.shape[0]}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must have one head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {q.shape[-1]}")
+    hq, hk = q.shape[head_axis], k.shape[head_axis]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of k/v heads ({hk})")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if window is not None:
+        sides = (window,) if isinstance(window, int) else tuple(window)
+        if isinstance(window, int) and window < 1 or len(sides) not in (1, 2) \
+                or any(s is not None and (not isinstance(s, int) or s < -1) for s in sides):
+            raise ValueError(f"window must be an int >= 1 or a (left, right) pair of ints >= 0 (or None), "
+                             f"got {window!r}")
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+              window: int | tuple[int | None, int | None] | None = None, softcap: float | None = None,
+              layout: str = "bhsd", cu_seqlens: Tensor | None = None, return_lse: bool = False):
+    """Fused attention, like ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+    enable_gqa=True)``, without ever writing the [S_q, S_k] scores.
+
+    q: [B, H, S_q, D] (``layout="bshd"``: [B, S_q, H, D]); k, v: the same with H_k heads
+    (H a multiple of H_k: grouped- and multi-query attention without repeating k and v)
+    and S_k keys. D up to 256; fp16 / bf16 (fp32 too, used by the tests).
+
+    - ``causal``: queries aligned to the END of the keys (FlashAttention's convention;
+      equal to SDPA's when S_q == S_k): query i sees keys up to i + S_k - S_q.
+    - ``window``: sliding-window attention. ``W`` (int): the query and the W - 1 keys before
+      it (and after it, without causal), as Mistral / Gemma's ``sliding_window``;
+      ``(left, right)``: FlashAttention's ``window_size`` (None or -1: unbounded side).
+    - ``softcap``: logits soft-capping ``c * tanh(s / c)`` (Gemma 2), with its derivative.
+    - ``cu_seqlens``: variable-length packed sequences: q, k, v are [total, H, D] and
+      sequence i holds rows cu_seqlens[i]:cu_seqlens[i+1] (int32, cu_seqlens[-1] == total),
+      each attending only within itself; ``layout`` must be "bshd".
+    - ``return_lse``: also return the log-sum-exp of the scores, fp32 [B, H, S_q]
+      ([H, total] with cu_seqlens), differentiable too.
+
+    A query that sees no key gets a zero output (LSE -inf). The backward gives dq, dk, dv.
+    """
+    _check(q, k, v, scale, window, softcap, layout, cu_seqlens)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not use_triton(q):
+        return reference.attention(q, k, v, causal, scale, window, softcap, layout, cu_seqlens, return_lse)
+    before, after = window_bounds(causal, window)
+    o, lse = _attention_fwd(q, k, v, cu_seqlens, scale, before, after, float(softcap or 0.0), layout)
+    return (o, lse) if return_lse else o
