@@ -5,6 +5,7 @@ and the unfused side of every benchmark, so each is written the way Hugging Face
 models write it: upcast to float32 (or keep float64), compute, cast back.
 """
 
+from onepass.reference.attention import attention, decode_attention
 from onepass.reference.activation import bias_gelu, geglu, gelu, swiglu
 from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.reference.rope import rope
