@@ -39,10 +39,12 @@ from onepass.ops._launch import as_rows, check_float, check_same_device, check_s
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU = {"tanh": GELU_TANH, "none": GELU_ERF}
 
-# Tile settings: (BLOCK_M, BLOCK_N, num_warps). The bias backward takes taller tiles so its
-# per-tile bias partials ([M / BLOCK_M, N] fp32) stay near 1% of the traffic.
-TILE = (16, 256, 8)
-TILE_BIAS_BWD = (64, 64, 8)
+# Tile settings: (BLOCK_M, BLOCK_N, num_warps). Without a bias the tensors are viewed as
+# one long row (TILE_FLAT). The bias backward takes taller tiles so its per-tile bias
+# partials ([M / BLOCK_M, N] fp32) stay near 1% of the traffic.
+TILE_FLAT = (1, 4096, 8)
+TILE_BIAS = (1, 4096, 8)
+TILE_BIAS_BWD = (16, 512, 4)
 
 
 @triton.jit
@@ -70,8 +72,16 @@ def _act_and_grad(z, ACT: tl.constexpr, WANT_GRAD: tl.constexpr):
 
 
 @triton.jit
+def _tile_ids(n_cols, BLOCK_N: tl.constexpr):
+    """(row tile, column tile) of this program; the grid is 1-D so either count may be large."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_col_tiles = tl.cdiv(n_cols, BLOCK_N)
+    return pid // n_col_tiles, pid % n_col_tiles
+
+
+@triton.jit
 def _tile(pid_m, pid_n, n_rows, n_cols, row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     return rows[:, None] * row_stride + cols[None, :], cols, mask
@@ -82,7 +92,7 @@ def _act_fwd_kernel(
     x_ptr, u_ptr, b_ptr, y_ptr, n_rows, n_cols, x_row_stride, u_row_stride,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(n_cols, BLOCK_N)
     offs, cols, mask = _tile(pid_m, pid_n, n_rows, n_cols, x_row_stride, BLOCK_M, BLOCK_N)
     z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -101,7 +111,7 @@ def _act_bwd_kernel(
     u_row_stride,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(n_cols, BLOCK_N)
     offs, cols, mask = _tile(pid_m, pid_n, n_rows, n_cols, x_row_stride, BLOCK_M, BLOCK_N)
     dy_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, dy_row_stride, BLOCK_M, BLOCK_N)
     out_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, n_cols, BLOCK_M, BLOCK_N)
@@ -119,26 +129,32 @@ def _act_bwd_kernel(
     tl.store(dx_ptr + out_offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         # masked elements hold dz = 0 (dy loaded as 0), so the column sum is exact
-        tl.store(db_part_ptr + pid_m.to(tl.int64) * n_cols + cols, tl.sum(dz, axis=0), mask=cols < n_cols)
+        tl.store(db_part_ptr + pid_m * n_cols + cols, tl.sum(dz, axis=0), mask=cols < n_cols)
 
 
 # ---------------------------------------------------------------------------- launchers
 
 
 def _grid(m, n, tile):
-    return (triton.cdiv(m, tile[0]), triton.cdiv(n, tile[1]))
+    return (triton.cdiv(m, tile[0]) * triton.cdiv(n, tile[1]),)
+
+
+def _rows(t: Tensor, has_bias: bool) -> Tensor:
+    """The [rows, cols] view a kernel walks: one long row where no bias needs the columns."""
+    return as_rows(t) if has_bias else t.contiguous().view(1, -1)
 
 
 def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int) -> Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return y
-    x2 = as_rows(x)
-    u2 = as_rows(up) if up is not None else x2
+    x2 = _rows(x, bias is not None)
+    u2 = _rows(up, False) if up is not None else x2
     m, n = x2.shape
     bias = bias.contiguous() if bias is not None else None
-    block_m, block_n, num_warps = TILE
-    _act_fwd_kernel[_grid(m, n, TILE)](
+    tile = TILE_BIAS if bias is not None else TILE_FLAT
+    block_m, block_n, num_warps = tile
+    _act_fwd_kernel[_grid(m, n, tile)](
         x2, u2, bias if bias is not None else x2, y, m, n, x2.stride(0), u2.stride(0),
         ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
@@ -150,15 +166,15 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
                     ) -> tuple[Tensor, Tensor, Tensor]:
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     du = torch.empty(x.shape, dtype=up.dtype, device=x.device) if up is not None else x.new_empty(0)
-    n = x.shape[-1] if x.dim() else 1
-    tile = TILE_BIAS_BWD if bias is not None else TILE
-    x2 = as_rows(x)
-    m = x2.shape[0]
-    db_part = torch.empty((triton.cdiv(m, tile[0]), n), dtype=torch.float32, device=x.device)
+    tile = TILE_BIAS_BWD if bias is not None else TILE_FLAT
+    x2 = _rows(x, bias is not None)
+    m, n = x2.shape
+    db_rows = triton.cdiv(m, tile[0]) if bias is not None else 0
+    db_part = torch.empty((db_rows, n), dtype=torch.float32, device=x.device)
     if x.numel():
         bias = bias.contiguous() if bias is not None else None
-        dy2 = as_rows(dy)
-        u2 = as_rows(up) if up is not None else x2
+        dy2 = _rows(dy, bias is not None)
+        u2 = _rows(up, False) if up is not None else x2
         _act_bwd_kernel[_grid(m, n, tile)](
             dy2, x2, u2, bias if bias is not None else x2, dx, du if up is not None else dx, db_part,
             m, n, dy2.stride(0), x2.stride(0), u2.stride(0),

@@ -52,6 +52,8 @@ from onepass.ops._launch import (
 
 # Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
 BWD_PROGRAMS_PER_SM = 4
+BWD_PREFETCH = True
+BWD_STAGES = 1
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -152,14 +154,13 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, c, m, mean, rstd,
-                    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """dy, hat and g = dy * w for one block of a row, in fp32 (zero outside the row)."""
-    dy = tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0).to(tl.float32)
+def _norm_bwd_block(dy, h, w, m, mean, rstd, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """dy, hat and g = dy * w for one loaded block of a row, in fp32 (zero outside the row)."""
+    dy = dy.to(tl.float32)
+    h = h.to(tl.float32)
     hat = (h - mean) * rstd if not IS_RMS else h * rstd
     hat = tl.where(m, hat, 0.0)
-    g = dy * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) if HAS_WEIGHT else dy
+    g = dy * w.to(tl.float32) if HAS_WEIGHT else dy
     return dy, hat, g
 
 
@@ -185,6 +186,7 @@ def _norm_bwd_kernel(
     n_rows, n_cols, rows_per_program, dropout_p, seed,
     IS_RMS: tl.constexpr, HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -193,14 +195,27 @@ def _norm_bwd_kernel(
     part = pid.to(tl.int64) * n_cols
     if ONE_BLOCK:
         mask = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 0.0
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Rows are software-pipelined by hand: the next row's loads are issued before this
+        # row's reductions, so every program keeps two rows of reads in flight.
+        first = mask & (n_mine > 0)
+        dy_next = tl.load(dy_ptr + row_start * dy_row_stride + cols, mask=first, other=0.0)
+        h_next = tl.load(h_ptr + row_start * h_row_stride + cols, mask=first, other=0.0)
         for i in range(0, n_mine):
             row = row_start + i
+            dy_raw, h_raw = dy_next, h_next
+            if PREFETCH:
+                more = mask & (i + 1 < n_mine)
+                dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
+                h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
+            else:
+                dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+                h_raw = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0)
             mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
             rstd = tl.load(rstd_ptr + row)
-            dy, hat, g = _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, cols, mask,
-                                         mean, rstd, IS_RMS, HAS_WEIGHT)
+            dy, hat, g = _norm_bwd_block(dy_raw, h_raw, w, mask, mean, rstd, IS_RMS, HAS_WEIGHT)
             c1 = tl.sum(hat * g, axis=0) / n_cols
             dh = g - hat * c1
             if not IS_RMS:
@@ -225,8 +240,10 @@ def _norm_bwd_kernel(
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
                 m = c < n_cols
-                dy, hat, g = _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, c, m,
-                                             mean, rstd, IS_RMS, HAS_WEIGHT)
+                dy, hat, g = _norm_bwd_block(tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0),
+                                             tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0),
+                                             tl.load(w_ptr + c, mask=m, other=0.0) if HAS_WEIGHT else 0.0,
+                                             m, mean, rstd, IS_RMS, HAS_WEIGHT)
                 s_hat_g += hat * g
                 s_g += g
             c1 = tl.sum(s_hat_g, axis=0) / n_cols
@@ -234,8 +251,10 @@ def _norm_bwd_kernel(
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
                 m = c < n_cols
-                dy, hat, g = _norm_bwd_block(dy_ptr, h_ptr, w_ptr, row, dy_row_stride, h_row_stride, c, m,
-                                             mean, rstd, IS_RMS, HAS_WEIGHT)
+                dy, hat, g = _norm_bwd_block(tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0),
+                                             tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0),
+                                             tl.load(w_ptr + c, mask=m, other=0.0) if HAS_WEIGHT else 0.0,
+                                             m, mean, rstd, IS_RMS, HAS_WEIGHT)
                 dh = g - hat * c1
                 if not IS_RMS:
                     dh -= c2
@@ -309,7 +328,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, see
             m, n, triton.cdiv(m, programs), dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, BLOCK_N=block, ONE_BLOCK=one_block,
-            num_warps=num_warps,
+            PREFETCH=BWD_PREFETCH, num_warps=num_warps, num_stages=BWD_STAGES,
         )
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else h.new_empty(0)
     db = db_part.sum(0) if has_bias else h.new_empty(0)

@@ -1,0 +1,115 @@
+"""Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
+
+    python benchmarks/tune_rowwise.py
+
+Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
+measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
+ops/_launch.py cite these results.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+import onepass.ops.activation as act
+import onepass.ops.norm as norm
+from onepass.bench.harness import measure_ceilings
+
+ROWS = 16384
+
+
+def bench(fn, nbytes):
+    fn()
+    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return ms, nbytes / ms / 1e6
+
+
+def sweep_norm(copy):
+    n = 4096
+    x = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    size = x.numel() * 2
+    original = norm.row_settings
+    for warps in (4, 8, 16):
+        norm.row_settings = lambda cols, w_=warps: (4096, w_)
+        for name, fn, passes in (
+            ("rms fwd", lambda: norm._norm_fwd(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype), 2),
+            ("add_rms fwd", lambda: norm._norm_fwd(x, res, w, None, 1e-6, 0.0, 0, True, x.dtype), 4),
+        ):
+            ms, gbps = bench(fn, passes * size)
+            print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
+        _, _, _, rstd = norm._norm_fwd(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
+        for per_sm, prefetch, stages in itertools.product((2, 4, 8), (False, True), (1, 3)):
+            norm.BWD_PROGRAMS_PER_SM, norm.BWD_PREFETCH, norm.BWD_STAGES = per_sm, prefetch, stages
+            ms, gbps = bench(lambda: norm._norm_bwd(dy, None, x, w, False, rstd, rstd, 0.0, 0, True, x.dtype, False),
+                             3 * size)
+            print(f"norm rms bwd warps={warps:<3} per_sm={per_sm} prefetch={prefetch:d} stages={stages} "
+                  f"{ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
+    norm.row_settings = original
+
+
+def sweep_activation(copy):
+    n = 8192
+    g = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn_like(g)
+    dy = torch.randn_like(g)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    size = g.numel() * 2
+    for block, warps in itertools.product((1024, 2048, 4096, 8192), (2, 4, 8, 16)):
+        act.TILE_FLAT = (1, block, warps)
+        fwd_ms, fwd_gbps = bench(lambda: act._act_fwd(g, u, None, act.SILU), 3 * size)
+        bwd_ms, bwd_gbps = bench(lambda: act._act_bwd(dy, g, u, None, act.SILU), 5 * size)
+        print(f"swiglu flat block={block} warps={warps:<3} fwd {fwd_ms:7.3f} ms {fwd_gbps / copy:6.1%} | "
+              f"bwd {bwd_ms:7.3f} ms {bwd_gbps / copy:6.1%}")
+    tiles = [(1, 4096), (2, 2048), (4, 1024), (8, 512), (16, 256), (32, 128), (8, 1024), (16, 512), (32, 256)]
+    for (bm, bn), warps in itertools.product(tiles, (4, 8)):
+        act.TILE_BIAS = act.TILE_BIAS_BWD = (bm, bn, warps)
+        fwd_ms, fwd_gbps = bench(lambda: act._act_fwd(g, None, b, act.GELU_TANH), 2 * size)
+        bwd_ms, bwd_gbps = bench(lambda: act._act_bwd(dy, g, None, b, act.GELU_TANH), 3 * size)
+        print(f"bias_gelu tile={bm}x{bn} warps={warps} fwd {fwd_ms:7.3f} ms {fwd_gbps / copy:6.1%} | "
+              f"bwd {bwd_ms:7.3f} ms {bwd_gbps / copy:6.1%}")
+
+
+def profile_step():
+    """Host time of one rms_norm forward+backward, and where it goes (torch.profiler)."""
+    import time
+
+    from onepass import ops
+
+    x = torch.randn(ROWS, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn_like(x)
+
+    def step():
+        x.grad = w.grad = None
+        ops.rms_norm(x, w).backward(gy)
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        step()
+    host = (time.perf_counter() - t) / 50 * 1e3
+    torch.cuda.synchronize()
+    print(f"rms_norm fwd+bwd: {(time.perf_counter() - t) / 50 * 1e3:.3f} ms a step with sync, host {host:.3f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    ceilings = measure_ceilings()
+    print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s")
+    profile_step()
+    sweep_norm(ceilings.copy_gbps)
+    sweep_activation(ceilings.copy_gbps)
