@@ -1,0 +1,272 @@
+import pytest
+import torch
+
+from onepass import ops, reference
+from onepass.testing import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _shape(layout, b, h, s, d):
+    return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
+
+
+def _hf_tables(b, s, r, device, base=10000.0, style="half", offset=0):
+    """cos/sin [B, S, R] as HF's rotary embedding builds them (each frequency twice)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r)
+    pos = torch.arange(offset, offset + s, device=device, dtype=torch.float32)[None].expand(b, s)
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), -1) if style == "half" else freqs.repeat_interleave(2, -1)
+    return emb.cos(), emb.sin()
+
+
+def _check(q, k, cos, sin, dtype, position_ids=None, layout="bhsd", style="half"):
+    """Outputs and the gradients of q and k against the float64 reference."""
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    qo, ko = ops.rope(q, k, cos, sin, position_ids, layout, style)
+    assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == q.dtype
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    torch.autograd.backward((qo, ko), (gq, gk))
+    qd, kd = (t.detach().double().requires_grad_(True) for t in (q, k))
+    rq, rk = reference.rope(qd, kd, cos.double(), sin.double(), position_ids, layout, style)
+    torch.autograd.backward((rq, rk), (gq.double(), gk.double()))
+    for name, out, ref in (("q'", qo, rq), ("k'", ko, rk), ("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad)):
+        assert_close(out, ref, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_matches_reference_gqa(layout, style, dtype, device):
+    b, hq, hk, s, d = 2, 6, 2, 7, 24  # irregular: 7 tokens, 6 q heads over 2 k heads, half dim 12
+    q = torch.randn(_shape(layout, b, hq, s, d), dtype=dtype, device=device)
+    k = torch.randn(_shape(layout, b, hk, s, d), dtype=dtype, device=device)
+    cos, sin = _hf_tables(b, s, d, device, style=style)
+    _check(q, k, cos.to(dtype), sin.to(dtype), dtype, layout=layout, style=style)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_arbitrary_tables_use_the_exact_transpose(style, device):
+    """Tables whose two halves differ (not HF's): forward and backward still match the formula."""
+    q, k = torch.randn(2, 3, 5, 16, device=device), torch.randn(2, 1, 5, 16, device=device)
+    _check(q, k, torch.randn(2, 5, 16, device=device), torch.randn(2, 5, 16, device=device), torch.float32,
+           style=style)
+
+
+@pytest.mark.parametrize("table_shape", ["s_r", "1_s_r", "hf_unsqueezed"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_table_shapes(table_shape, layout, device):
+    b, s, d = 2, 9, 32
+    cos, sin = _hf_tables(1, s, d, device)
+    if table_shape == "s_r":
+        cos, sin = cos[0], sin[0]
+    elif table_shape == "hf_unsqueezed":
+        cos, sin = (t.unsqueeze(1 if layout == "bhsd" else 2) for t in (cos, sin))
+    q = torch.randn(_shape(layout, b, 4, s, d), device=device)
+    k = torch.randn(_shape(layout, b, 4, s, d), device=device)
+    _check(q, k, cos, sin, torch.float32, layout=layout)
+
+
+@pytest.mark.parametrize("pos_shape", ["b_s", "1_s", "s"])
+def test_position_ids_gather_table_rows(pos_shape, device):
+    b, s, d, max_pos = 3, 6, 16, 50
+    cos, sin = _hf_tables(1, max_pos, d, device)
+    table_c, table_s = cos[0], sin[0]  # [max_positions, R]
+    pos = torch.randint(0, max_pos, (b if pos_shape == "b_s" else 1, s), device=device)
+    if pos_shape == "s":
+        pos = pos[0]
+    q, k = torch.randn(b, 4, s, d, device=device), torch.randn(b, 2, s, d, device=device)
+    _check(q, k, table_c, table_s, torch.float32, position_ids=pos)
+    # the gather gives what rope on the pre-gathered [B, S, R] tables gives
+    qo, ko = ops.rope(q.detach(), k.detach(), table_c, table_s, pos)
+    gathered = table_c[pos.reshape(-1, s)], table_s[pos.reshape(-1, s)]
+    qg, kg = ops.rope(q.detach(), k.detach(), *gathered)
+    assert torch.equal(qo, qg) and torch.equal(ko, kg)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_partial_rotary_passes_the_rest_through(style, device):
+    q, k = torch.randn(2, 3, 5, 40, device=device), torch.randn(2, 1, 5, 40, device=device)
+    cos, sin = _hf_tables(2, 5, 16, device, style=style)  # 16 of 40 dims rotate (NeoX rotary_pct 0.4)
+    _check(q, k, cos, sin, torch.float32, style=style)
+    qo, _ = ops.rope(q.detach(), k.detach(), cos, sin, style=style)
+    assert torch.equal(qo[..., 16:], q[..., 16:])
+
+
+def test_matches_transformers_implementations(device):
+    """Against the code HF models run: Llama's rotate-half and Cohere's interleaved rotation."""
+    from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as cohere_rope
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+
+    q, k = torch.randn(2, 4, 11, 32, device=device), torch.randn(2, 2, 11, 32, device=device)
+    for style, hf in (("half", llama_rope), ("interleaved", cohere_rope)):
+        cos, sin = _hf_tables(2, 11, 32, device, style=style, offset=5)
+        for out, ref in zip(ops.rope(q, k, cos, sin, style=style), hf(q, k, cos, sin)):
+            assert_close(out, ref, torch.float32, style)
+        bshd = ops.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, layout="bshd", style=style)
+        for out, ref in zip(bshd, hf(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)):
+            assert_close(out, ref, torch.float32, f"{style} bshd")
+
+
+def test_non_contiguous_inputs(device):
+    """q and k as views of a fused qkv projection, [B, S, H, D] read through a transpose."""
+    b, s, hq, hk, d = 2, 5, 4, 2, 16
+    qkv = torch.randn(b, s, (hq + 2 * hk) * d, device=device)
+    q = qkv[..., : hq * d].view(b, s, hq, d).transpose(1, 2)
+    k = qkv[..., hq * d: (hq + hk) * d].view(b, s, hk, d).transpose(1, 2)
+    cos, sin = _hf_tables(b, s, d, device)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    _check(q.detach(), k.detach(), cos, sin, torch.float32)
+    wide_cos = torch.cat((cos, cos), -1)[..., :d]  # a strided table, unlike sin
+    _check(q.detach(), k.detach(), wide_cos, sin, torch.float32)
+
+
+def test_inplace_writes_into_q_and_k(device):
+    q, k = torch.randn(2, 4, 6, 16, device=device), torch.randn(2, 2, 6, 16, device=device)
+    cos, sin = _hf_tables(2, 6, 16, device)
+    expected = ops.rope(q, k, cos, sin)
+    q_ptr = q.data_ptr()
+    qo, ko = ops.rope(q, k, cos, sin, inplace=True)
+    assert qo is q and ko is k and q.data_ptr() == q_ptr
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+
+
+def test_inplace_refuses_inputs_that_need_grad(device):
+    q = torch.randn(1, 2, 3, 8, device=device, requires_grad=True)
+    k = torch.randn(1, 2, 3, 8, device=device)
+    cos, sin = _hf_tables(1, 3, 8, device)
+    with pytest.raises(ValueError, match="inplace"):
+        ops.rope(q, k, cos, sin, inplace=True)
+    with torch.no_grad():
+        ops.rope(q, k, cos, sin, inplace=True)  # fine without autograd
+
+
+def test_empty(device):
+    q = torch.randn(2, 4, 0, 16, device=device, requires_grad=True)
+    k = torch.randn(2, 2, 0, 16, device=device, requires_grad=True)
+    cos, sin = _hf_tables(2, 0, 16, device)
+    qo, ko = ops.rope(q, k, cos, sin)
+    (qo.sum() + ko.sum()).backward()
+    assert qo.shape == q.shape and q.grad.shape == q.shape
+
+
+# ------------------------------------------------------------- compile and opcheck
+
+
+def test_torch_compile_fullgraph(device):
+    q = torch.randn(2, 4, 6, 16, device=device, requires_grad=True)
+    k = torch.randn(2, 2, 6, 16, device=device, requires_grad=True)
+    cos, sin = _hf_tables(2, 6, 16, device)
+
+    def attention_inputs(q, k, cos, sin):
+        qo, ko = ops.rope(q, k, cos, sin)
+        return qo.sum(1) * ko.sum(1)
+
+    compiled = torch.compile(attention_inputs, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = compiled(q, k, cos, sin)
+    out.sum().backward()
+    grads = q.grad.clone(), k.grad.clone()
+    q.grad = k.grad = None
+    eager = attention_inputs(q, k, cos, sin)
+    eager.sum().backward()
+    assert_close(out, eager, torch.float32)
+    assert_close(grads[0], q.grad, torch.float32)
+    assert_close(grads[1], k.grad, torch.float32)
+
+
+def test_torch_compile_inplace(device):
+    q, k = torch.randn(1, 2, 5, 8, device=device), torch.randn(1, 1, 5, 8, device=device)
+    cos, sin = _hf_tables(1, 5, 8, device)
+    expected = ops.rope(q, k, cos, sin)
+
+    def rotate_cache(q, k, cos, sin):
+        ops.rope(q, k, cos, sin, inplace=True)
+        return q + 0, k + 0
+
+    out = torch.compile(rotate_cache, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(
+        q, k, cos, sin)
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+    assert torch.equal(out[0], expected[0])
+
+
+def test_opcheck(device):
+    from onepass.ops.rope import _rope, _rope_inplace
+
+    q = torch.randn(2, 3, 5, 16, device=device, requires_grad=True)
+    k = torch.randn(2, 1, 5, 16, device=device, requires_grad=True)
+    cos, sin = _hf_tables(2, 5, 16, device)
+    table_c, table_s = _hf_tables(1, 12, 8, device)
+    pos = torch.randint(0, 12, (2, 5), device=device)
+    for args in [(q, k, cos, sin, None, "bhsd", False, False), (q, k, cos, sin, None, "bhsd", True, True),
+                 (q.transpose(1, 2), k.transpose(1, 2), table_c[0], table_s[0], pos, "bshd", False, False)]:
+        torch.library.opcheck(_rope, args)
+    torch.library.opcheck(_rope_inplace, (q.detach().clone(), k.detach().clone(), cos, sin, None, "bhsd", False))
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def _bad_calls(device="cpu"):
+    def tables(s=5, r=16, b=2):
+        return _hf_tables(b, s, r, device)
+
+    return [
+        (lambda q, k: ops.rope(q, k, *tables(), layout="sbhd"), ValueError, "layout"),
+        (lambda q, k: ops.rope(q, k, *tables(), style="gptj"), ValueError, "style"),
+        (lambda q, k: ops.rope(q.long(), k, *tables()), TypeError, "q"),
+        (lambda q, k: ops.rope(q, k[0], *tables()), ValueError, "4-D"),
+        (lambda q, k: ops.rope(q, k[..., :8], *tables()), ValueError, "k"),
+        (lambda q, k: ops.rope(q, k, *tables(s=4)), ValueError, "cos"),
+        (lambda q, k: ops.rope(q, k, *tables(b=3)), ValueError, "cos"),
+        (lambda q, k: ops.rope(q, k, *tables(r=18)), ValueError, "cos"),
+        (lambda q, k: ops.rope(q, k, tables()[0][..., :7], tables()[1][..., :7]), ValueError, "even"),
+        (lambda q, k: ops.rope(q, k, tables()[0], tables()[1][..., :8]), ValueError, "sin"),
+        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.zeros(2, 5, device=q.device)), TypeError, "position_ids"),
+        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.zeros(2, 4, dtype=torch.long, device=q.device)),
+         ValueError, "position_ids"),
+        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.full((2, 5), 5, device=q.device)), ValueError,
+         "position_ids"),
+        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.full((2, 5), -1, device=q.device)), ValueError,
+         "position_ids"),
+        (lambda q, k: ops.rope(q, k, tables()[0].requires_grad_(True), tables()[1]), ValueError, "cos/sin"),
+        (lambda q, k: ops.rope(q, k.to("meta"), *tables()), ValueError, "device"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_bad_input_raises_and_writes_nothing(index, device):
+    call, error, words = _bad_calls(device)[index]
+    q, k = torch.randn(2, 3, 5, 16, device=device), torch.randn(2, 1, 5, 16, device=device)
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(error, match=words):
+        call(q, k)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_bf16_llama_sizes(layout, style):
+    b, hq, hk, s, d = 2, 32, 8, 4096, 128
+    q = torch.randn(_shape(layout, b, hq, s, d), dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(_shape(layout, b, hk, s, d), dtype=torch.bfloat16, device="cuda")
+    cos, sin = _hf_tables(b, s, d, "cuda", base=500000.0, style=style)
+    _check(q, k, cos.bfloat16(), sin.bfloat16(), torch.bfloat16, layout=layout, style=style)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_position_ids_and_inplace():
+    b, s, d = 4, 2048, 128
+    cos, sin = _hf_tables(1, 8192, d, "cuda")
+    pos = torch.randint(0, 8192, (b, s), device="cuda")
+    q = torch.randn(b, 32, s, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, 8, s, d, dtype=torch.bfloat16, device="cuda")
+    _check(q, k, cos[0], sin[0], torch.bfloat16, position_ids=pos)
+    expected = ops.rope(q.detach(), k.detach(), cos[0], sin[0], pos)
+    qi, ki = q.detach().clone(), k.detach().clone()
+    ops.rope(qi, ki, cos[0], sin[0], pos, inplace=True)
+    assert torch.equal(qi, expected[0]) and torch.equal(ki, expected[1])
