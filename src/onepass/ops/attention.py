@@ -211,6 +211,15 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_row_stride, v_row_stride, sta
 
 
 @triton.jit
+def _softmax_finish(acc, l_i, m_i):
+    """(output, natural-log LSE) of the online softmax; a row that saw no key gets 0 and -inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    return acc / l_safe[:, None], lse
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
@@ -255,11 +264,9 @@ def _attn_fwd_kernel(
                                offs_n64, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                                True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
 
-    empty = l_i == 0.0  # no visible key: output 0, LSE -inf
-    l_safe = tl.where(empty, 1.0, l_i)
+    o, lse = _softmax_finish(acc, l_i, m_i)
     o_base = o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s
-    _store_rows(o_base, offs_m.to(tl.int64), o_stride_s, offs_d, seqlen_q, acc / l_safe[:, None], HEAD_DIM)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    _store_rows(o_base, offs_m.to(tl.int64), o_stride_s, offs_d, seqlen_q, o, HEAD_DIM)
     tl.store(lse_ptr + b64 * lse_stride_b + h64 * lse_stride_h + row64 + offs_m, lse, mask=offs_m < seqlen_q)
 
 

@@ -1,0 +1,224 @@
+"""Split-KV decode attention (flash-decoding): a few new query tokens against a KV cache.
+
+Math, per (batch b, q head h, new token t) with L = cache_seqlens[b] and Tq new tokens
+(the last Tq of the L cached positions, causal among themselves):
+
+    o = softmax_j(scale * q . k_j  [softcapped])  v_j   over keys j <= L - Tq + t
+
+Split: the cache positions [0, L) are cut into ``splits`` chunks; program (split, b, kv
+head) runs the online softmax of ``onepass.ops.attention`` over its chunk for ALL q heads
+of the kv group and all Tq tokens at once (group * Tq rows, padded to 16, are the M side
+of tl.dot), so each K/V byte is read once per kv head, not once per q head. It writes a
+partial output and LSE per row and split (fp32); a second kernel merges the splits:
+
+    o = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
+
+Byte budget (B batch, Hk kv heads, L valid positions, head dim D, element size e):
+
+    unfused PyTorch (SDPA on the cache, repeated kv)   fused minimum
+    reads K and V of L_max (padding too), plus the      read K and V once: 2*B*Hk*L*D*e
+    repeat_kv copies: 2*B*H*L_max*D*e and more          (+ the tiny q, o and partials)
+
+The number of splits makes B * Hk * splits about twice the SM count, so batch 1 fills
+the GPU; each split keeps at least MIN_SPLIT_TOKENS positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._launch import check_float, check_same_device, interpreting, num_programs_for, use_triton
+from onepass.ops.attention import MAX_HEAD_DIM, _fwd_tiles, _softmax_finish, block_d_for, precision_for
+
+# (BLOCK_N, num_warps, num_stages) per padded head dim (head dims up to 64 use the 64
+# row): starting points, to be swept on the H200 with the decode benchmark.
+DECODE_CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
+INTERPRETER_CONFIG = (16, 1, 1)
+MIN_SPLIT_TOKENS = 128  # fewer positions per split than this and the merge costs more than it saves
+MAX_SPLITS = 64
+MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
+MERGE_WARPS = 4
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
+    q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
+    n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap,
+    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    b = tl.program_id(1) // n_kv_heads
+    hk = tl.program_id(1) % n_kv_heads
+    seqlen = tl.minimum(tl.load(seqlens_ptr + b), cache_len)  # never read past the cache
+    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
+    # row r = (q head hk * group + r // Tq, new token r % Tq)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < group * n_tokens
+    h64 = hk64 * group + rows // n_tokens
+    t = rows % n_tokens
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b64 * q_stride_b + h64[:, None] * q_stride_h + t[:, None] * q_stride_t + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    chunk = tl.cdiv(tl.cdiv(seqlen, n_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # token t sits at position seqlen - Tq + t: attention's bottom-right causal mask with S_q = Tq
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptr + b64 * k_stride_b + hk64 * k_stride_h,
+                               v_ptr + b64 * v_stride_b + hk64 * v_stride_h, k_stride_s, v_stride_s, lo, hi, t,
+                               tl.arange(0, BLOCK_N).to(tl.int64), offs_d, n_tokens, seqlen, seqlen - n_tokens, 0, 0,
+                               scale, softcap, True, False, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    o, lse = _softmax_finish(acc, l_i, m_i)
+    part = (b64 * n_kv_heads * group + h64) * n_tokens + t  # row of [B * H * Tq, splits, D]
+    at = part * n_splits + split
+    tl.store(o_part_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_part_ptr + at, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    o_part_ptr, lse_part_ptr, o_ptr, n_heads, n_tokens, n_splits, o_stride_b, o_stride_h, o_stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    part = tl.program_id(0).to(tl.int64)
+    b = part // (n_heads * n_tokens)
+    h = part // n_tokens % n_heads
+    t = part % n_tokens
+    splits = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = splits < n_splits
+    lse = tl.load(lse_part_ptr + part * n_splits + splits, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    o = tl.load(o_part_ptr + (part * n_splits + splits)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + b * o_stride_b + h * o_stride_h + t * o_stride_t + offs_d, o.to(o_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_len: int) -> int:
+    """Splits so that batch * kv_heads * splits is about twice the SM count."""
+    want = triton.cdiv(2 * num_programs_for(device), max(1, batch * kv_heads))
+    return max(1, min(want, triton.cdiv(cache_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def _bhsd(t: Tensor, layout: str) -> Tensor:
+    t = t.transpose(1, 2) if layout == "bshd" else t
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    qv, kv, vv, ov = (_bhsd(t, layout) for t in (q, k_cache, v_cache, out))
+    batch, heads, n_tokens, head_dim = qv.shape
+    kv_heads, cache_len = kv.shape[1], kv.shape[2]
+    if q.numel() == 0:
+        return out
+    group = heads // kv_heads
+    splits = num_splits or default_num_splits(q.device, batch, kv_heads, cache_len)
+    block_n, num_warps, num_stages = INTERPRETER_CONFIG if interpreting() else \
+        DECODE_CONFIGS[max(64, block_d_for(head_dim))]
+    block_d = block_d_for(head_dim)
+    rows = batch * heads * n_tokens
+    o_part = torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((rows, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(splits, batch * kv_heads)](
+        qv, kv, vv, cache_seqlens, o_part, lse_part,
+        *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3],
+        kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0,
+        SOFTCAP=bool(softcap), HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * n_tokens)),
+        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision_for(q.dtype), num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _decode_merge_kernel[(rows,)](
+        o_part, lse_part, ov, heads, n_tokens, splits, *ov.stride()[:3],
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=MERGE_WARPS,
+    )
+    return out
+
+
+@torch.library.custom_op("onepass::decode_attention", mutates_args=())
+def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float,
+                      softcap: float, layout: str, num_splits: int) -> Tensor:
+    return _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits)
+
+
+@_decode_attention.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------- public function
+
+
+def _check(q, k_cache, v_cache, cache_seqlens, softcap, layout, num_splits):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(t.shape)}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, "
+                        f"{v_cache.dtype}")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    h_axis = 2 if layout == "bshd" else 1
+    batch, heads, kv_heads = q.shape[0], q.shape[h_axis], k_cache.shape[h_axis]
+    n_tokens = q.shape[3 - h_axis]
+    if k_cache.shape[0] != batch or q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} and the caches {tuple(k_cache.shape)} must agree on batch and head dim")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"the number of q heads ({heads}) must be a multiple of the number of kv heads ({kv_heads})")
+    if heads // kv_heads * n_tokens > MAX_ROWS:
+        raise ValueError(f"q heads per kv head x new tokens must be at most {MAX_ROWS}, got "
+                         f"{heads // kv_heads} x {n_tokens}: use attention() for prefill")
+    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32 \
+            or cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be an int32 tensor of shape ({batch},) (valid length per sequence)")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if num_splits is not None and not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must be 1 to 1024, got {num_splits}")
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                     scale: float | None = None, softcap: float | None = None, layout: str = "bhsd", *,
+                     num_splits: int | None = None) -> Tensor:
+    """Attention of a few new tokens per sequence over a KV cache (inference, no autograd).
+
+    q: [B, H, Tq, D]; k_cache, v_cache: [B, Hk, L_max, D] (``layout="bshd"``: [B, Tq, H, D]
+    and [B, L_max, Hk, D]); H a multiple of Hk. ``cache_seqlens`` (int32 [B]) is the valid
+    length of each sequence, the new tokens included: they are its last Tq positions,
+    causal among themselves (lengths above L_max are clamped to it). ``num_splits``
+    overrides the split of the cache length (default: enough to fill the GPU twice).
+    """
+    _check(q, k_cache, v_cache, cache_seqlens, softcap, layout, num_splits)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not use_triton(q):
+        return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout)
+    return _decode_attention(q, k_cache, v_cache, cache_seqlens, scale, float(softcap or 0.0), layout,
+                             int(num_splits or 0))
