@@ -44,11 +44,11 @@ def sweep_norm(copy):
             ms, gbps = bench(fn, passes * size)
             print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
         _, _, _, rstd = norm._norm_fwd(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
-        for per_sm, prefetch, stages in itertools.product((2, 4, 8), (False, True), (1, 3)):
-            norm.BWD_PROGRAMS_PER_SM, norm.BWD_PREFETCH, norm.BWD_STAGES = per_sm, prefetch, stages
+        for per_sm in (1, 2, 4, 8):
+            norm.BWD_PROGRAMS_PER_SM = per_sm
             ms, gbps = bench(lambda: norm._norm_bwd(dy, None, x, w, False, rstd, rstd, 0.0, 0, True, x.dtype, False),
                              3 * size)
-            print(f"norm rms bwd warps={warps:<3} per_sm={per_sm} prefetch={prefetch:d} stages={stages} "
+            print(f"norm rms bwd warps={warps:<3} per_sm={per_sm} "
                   f"{ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
     norm.row_settings = original
 

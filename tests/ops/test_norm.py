@@ -224,3 +224,12 @@ def test_gpu_more_than_2_31_elements():
     y = ops.rms_norm(x, w)
     tail = slice(-16, None)
     assert_close(y[tail], reference.rms_norm(x[tail].double(), w.double()), torch.bfloat16)
+
+
+def test_gradient_through_h_alone(device):
+    """Only the residual stream is used downstream: y gets no gradient."""
+    x = torch.randn(3, 24, device=device, requires_grad=True)
+    res = torch.randn(3, 24, device=device, requires_grad=True)
+    _, h = ops.add_rms_norm(x, res)
+    (h * 2).sum().backward()
+    assert torch.allclose(x.grad, torch.full_like(x, 2.0)) and torch.allclose(res.grad, torch.full_like(res, 2.0))

@@ -51,9 +51,9 @@ from onepass.ops._launch import (
 )
 
 # Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
-BWD_PROGRAMS_PER_SM = 4
-BWD_PREFETCH = True
-BWD_STAGES = 1
+# H200, bf16 16384 x 4096, rms backward (benchmarks/tune_rowwise.py): 2 a SM 0.120 ms,
+# 4 a SM 0.130 ms, 8 a SM 0.127 ms; without the hand pipelining 0.136 / 0.146 / 0.143 ms.
+BWD_PROGRAMS_PER_SM = 2
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -186,7 +186,6 @@ def _norm_bwd_kernel(
     n_rows, n_cols, rows_per_program, dropout_p, seed,
     IS_RMS: tl.constexpr, HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -206,13 +205,9 @@ def _norm_bwd_kernel(
         for i in range(0, n_mine):
             row = row_start + i
             dy_raw, h_raw = dy_next, h_next
-            if PREFETCH:
-                more = mask & (i + 1 < n_mine)
-                dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
-                h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
-            else:
-                dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
-                h_raw = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0)
+            more = mask & (i + 1 < n_mine)
+            dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
+            h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
             mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
             rstd = tl.load(rstd_ptr + row)
             dy, hat, g = _norm_bwd_block(dy_raw, h_raw, w, mask, mean, rstd, IS_RMS, HAS_WEIGHT)
@@ -328,7 +323,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, see
             m, n, triton.cdiv(m, programs), dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, BLOCK_N=block, ONE_BLOCK=one_block,
-            PREFETCH=BWD_PREFETCH, num_warps=num_warps, num_stages=BWD_STAGES,
+            num_warps=num_warps,
         )
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else h.new_empty(0)
     db = db_part.sum(0) if has_bias else h.new_empty(0)
@@ -380,6 +375,9 @@ def _setup_context(ctx, inputs, output):
     x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype = inputs
     y, h, mean, rstd = output
     ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+    # Outputs with no incoming gradient (mean, rstd, an unused h) stay None rather than
+    # being filled with zeros: on an H200 host those fills cost ~130 us of CPU each.
+    ctx.set_materialize_grads(False)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual = residual is not None
@@ -388,6 +386,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dh_out, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:  # only h was used downstream
+        dy = torch.zeros_like(h)
     d_h, dx, dw, db = _norm_bwd(dy, dh_out if ctx.has_residual else None, h, weight, ctx.has_bias, mean, rstd,
                                 ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual)
     dw = dw if weight is not None else None
