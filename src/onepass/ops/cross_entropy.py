@@ -1,0 +1,456 @@
+"""Cross-entropy over a vocabulary: loss, log-sum-exp, prediction and gradient in one pass.
+
+Math, per row of V logits x with target t (eps = label_smoothing, c = softcap):
+
+    z     = c * tanh(x / c)                          (softcap; z = x without it)
+    lse   = log(sum_j exp(z_j))
+    loss  = (1 - eps) * (lse - z_t) + eps * (lse - mean_j z_j) + z_loss * lse^2
+    dz_j  = p_j * (1 + 2 * z_loss * lse) - eps / V - (1 - eps) * [j == t],   p = exp(z - lse)
+    dx_j  = dz_j * (1 - (z_j / c)^2)                 (softcap chain rule)
+    pred  = argmax_j z_j
+
+Rows whose target is ``ignore_index`` give loss 0 and gradient 0; ``mean`` divides by
+the number of the others (PyTorch's rule, label smoothing included), so a batch whose
+every target is ignored gives nan, as F.cross_entropy does.
+
+Byte budget (R rows of V logits, element size s), forward and backward together:
+
+    unfused PyTorch (HF: logits.float(), F.cross_entropy)   fused minimum
+    upcast copy: read R*V*s, write 4RV                       read logits   RVs
+    log_softmax: read 4RV, write 4RV; nll/smoothing: read    write grad    RVs
+    backward: read 4RV, write 4RV (softmax grad), cast RVs
+    ~10 passes and three [R, V] float32 buffers              2 RVs
+
+One kernel reads each row twice: pass 1 keeps per-lane running max/sum-exp (one exp an
+element, no cross-thread reduction in the loop), the running sum of z (smoothing) and
+argmax; pass 2 walks the row backwards, so the blocks pass 1 read last are still in L2,
+and writes the gradient. The gradient is computed in the forward as if the loss's
+upstream gradient were 1 (Liger's trick: the logits are not read again in backward);
+the backward multiplies it in place by the real upstream gradient, in a kernel whose
+programs skip every row whose factor is exactly 1.0 (read on the device, no host sync),
+so ``loss.backward()`` costs no extra pass. Consequences: the gradient is one [R, V]
+tensor of the logits' dtype held from forward to backward (none with ``inplace_grad``,
+which writes it over the logits), and a second backward through the same graph
+(``retain_graph=True``) raises. Rows with an ignored target are not read at all unless
+lse or pred is requested.
+
+Targets are checked without a host sync on CUDA: a small kernel counts the valid and
+the out-of-range targets on the device (the count is also mean's divisor) and
+``torch._assert_async`` fails on the device if any target is out of range; like
+PyTorch's own loss, the error then surfaces at the next synchronisation as a device-side
+assertion (and the rows concerned get a nan loss). On the CPU the check is free and
+raises a ValueError at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._launch import as_rows, check_float, check_same_device, flat, num_programs_for, use_triton
+
+REDUCTIONS = ("mean", "sum", "none")
+
+# Tunables (one place, for the GPU sweep): columns of a row a program handles per step,
+# and its warps. 8192 columns over 16 warps is 16 values a thread: four per-lane
+# accumulators stay in registers.
+CE_MAX_BLOCK = 8192
+CE_MAX_WARPS = 16
+TARGET_BLOCK = 1024  # targets counted per program by the check kernel
+
+
+def ce_settings(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for the cross-entropy kernels."""
+    block = min(triton.next_power_of_2(max(n_cols, 1)), CE_MAX_BLOCK)
+    return block, max(1, min(CE_MAX_WARPS, block // 512))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _targets_kernel(target_ptr, counts_ptr, n_rows, n_cols, ignore_index, BLOCK: tl.constexpr):
+    """counts[0] += non-ignored targets, counts[1] += those outside [0, V)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_rows
+    t = tl.load(target_ptr + offs, mask=inside, other=ignore_index).to(tl.int64)
+    valid = inside & (t != ignore_index)
+    bad = valid & ((t < 0) | (t >= n_cols))
+    tl.atomic_add(counts_ptr, tl.sum(valid.to(tl.int32), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(bad.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        # tanh(y) = 1 - 2 / (exp(2y) + 1): one exp, exact limits at +-inf (libdevice's
+        # tanh is unavailable in the interpreter)
+        x = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+    return x
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    x_ptr, target_ptr, grad_ptr, loss_ptr, lse_ptr, pred_ptr, counts_ptr, scale_ptr,
+    x_row_stride, grad_row_stride, scale_stride,
+    n_cols, ignore_index, label_smoothing, z_loss, softcap,
+    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, WRITE_PRED: tl.constexpr, ALL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    x_row = x_ptr + row * x_row_stride
+    t = tl.load(target_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < n_cols)
+    # An ignored row is not read (a zero-trip loop) unless its lse or pred is wanted.
+    n_read = n_cols if ALL_ROWS else tl.where(valid, n_cols, 0)
+
+    # Pass 1: per-lane running max m and sum of exp(z - m); one exp an element.
+    m_vec = tl.full([BLOCK_N], -3.0e38, tl.float32)
+    s_vec = tl.zeros([BLOCK_N], tl.float32)
+    z_sum = tl.zeros([BLOCK_N], tl.float32)
+    arg = tl.zeros([BLOCK_N], tl.int32)
+    for start in range(0, n_read, BLOCK_N):
+        c = start + cols
+        mask = c < n_cols
+        z = _capped(tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z, float("-inf"))
+        bigger = z > m_vec
+        e = tl.exp(tl.where(bigger, m_vec - z, z - m_vec))
+        s_vec = tl.where(bigger, s_vec * e + 1.0, s_vec + e)
+        m_vec = tl.where(bigger, z, m_vec)
+        if WRITE_PRED:
+            arg = tl.where(bigger, c, arg)
+        if HAS_SMOOTHING:
+            z_sum += tl.where(mask, z, 0.0)
+    m = tl.max(m_vec, axis=0)
+    lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
+    if WRITE_PRED:
+        # first index of the maximum, as torch.argmax
+        tl.store(pred_ptr + row, tl.min(tl.where(m_vec == m, arg, n_cols), axis=0).to(tl.int64))
+    z_t = _capped(tl.load(x_row + tl.where(in_range, t, 0)).to(tl.float32), softcap, HAS_SOFTCAP)
+    loss = lse - (1.0 - label_smoothing) * z_t
+    if HAS_SMOOTHING:
+        loss -= label_smoothing * tl.sum(z_sum, axis=0) / n_cols
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    tl.store(lse_ptr + row, lse)
+
+    if WRITE_GRAD:
+        # Pass 2, backwards through the row (its last blocks are the likeliest still in
+        # L2); in place when grad_ptr is x_ptr: each block is read before it is written.
+        g_row = grad_ptr + row * grad_row_stride
+        scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+        if MEAN:
+            scale = scale / tl.load(counts_ptr).to(tl.float32)
+        p_coef = scale * (1.0 + 2.0 * z_loss * lse) if HAS_Z_LOSS else scale
+        smooth = scale * label_smoothing / n_cols
+        hit = scale * (1.0 - label_smoothing)
+        n_blocks = tl.where(valid, tl.cdiv(n_cols, BLOCK_N), 0)
+        for i in range(0, n_blocks):
+            c = (n_blocks - 1 - i) * BLOCK_N + cols
+            mask = c < n_cols
+            z = _capped(tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            g = tl.exp(z - lse) * p_coef - smooth - tl.where(c == t, hit, 0.0)
+            if HAS_SOFTCAP:
+                tanh = z / softcap
+                g *= 1.0 - tanh * tanh
+            tl.store(g_row + c, g.to(grad_ptr.dtype.element_ty), mask=mask)
+        # an ignored row's gradient is zero: written without reading the row
+        for start in range(tl.where(valid, n_cols, 0), n_cols, BLOCK_N):
+            c = start + cols
+            tl.store(g_row + c, tl.zeros([BLOCK_N], tl.float32).to(grad_ptr.dtype.element_ty), mask=c < n_cols)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(grad_ptr, dloss_ptr, grad_row_stride, dloss_stride, n_rows, n_cols, rows_per_program,
+                              BLOCK_N: tl.constexpr):
+    """grad[row] *= dloss[row] in place; rows whose factor is exactly 1.0 are not touched."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    row_start = pid.to(tl.int64) * rows_per_program
+    n_mine = tl.minimum(rows_per_program, n_rows - row_start)
+    for i in range(0, n_mine):
+        row = row_start + i
+        g = tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
+        for start in range(0, tl.where(g != 1.0, n_cols, 0), BLOCK_N):
+            c = start + cols
+            mask = c < n_cols
+            ptr = grad_ptr + row * grad_row_stride + c
+            x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptr, (x * g).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
+    """int32 [valid, out of range] counts of a flat target, on its device; raises (CPU) or
+    asserts on the device (CUDA, no sync) if a target is outside [0, n_cols)."""
+    counts = torch.zeros(2, dtype=torch.int32, device=target.device)
+    n = target.numel()
+    if n:
+        _targets_kernel[(triton.cdiv(n, TARGET_BLOCK),)](target, counts, n, n_cols, ignore_index, BLOCK=TARGET_BLOCK)
+    message = f"cross_entropy: a target is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
+    if target.is_cuda:
+        torch._assert_async(counts[1] == 0, message)
+    elif counts[1].item():
+        raise ValueError(message)
+    return counts
+
+
+def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reduction, label_smoothing, z_loss, softcap,
+            all_rows):
+    """Run the loss kernel over the rows of x2 [R, V] (unit column stride).
+
+    Writes per-row loss (0 where ignored), lse (float32), pred (if not None) and, if
+    grad2 is not None, the gradient scaled by ``scale`` (a float32 scalar, or one value a
+    row) and by 1 / counts[0] for ``mean``; grad2 may be x2 itself.
+    """
+    rows, n_cols = x2.shape
+    if rows == 0:
+        return
+    block, num_warps = ce_settings(n_cols)
+    write_grad = grad2 is not None
+    _cross_entropy_fwd_kernel[(rows,)](
+        x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else lse, counts, scale,
+        x2.stride(0), grad2.stride(0) if write_grad else 0, scale.stride(0) if scale.dim() else 0,
+        n_cols, ignore_index, label_smoothing, z_loss, softcap or 1.0,
+        MEAN=reduction == "mean", HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss != 0,
+        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, WRITE_PRED=pred is not None,
+        ALL_ROWS=all_rows, BLOCK_N=block, num_warps=num_warps,
+    )
+
+
+def reduce_loss(loss_rows: Tensor, counts: Tensor, reduction: str, shape, dtype: torch.dtype) -> Tensor:
+    """Per-row float32 losses -> the reduced loss, in ``dtype`` (deterministic: no atomics)."""
+    if reduction == "none":
+        return loss_rows.view(shape).to(dtype)
+    total = loss_rows.sum()
+    return (total / counts[0] if reduction == "mean" else total).to(dtype)
+
+
+def _fwd_launch(x, target, grad_buffer, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred,
+                all_rows):
+    n_cols = x.shape[-1]
+    x2 = as_rows(x)
+    t = flat(target)
+    rows = t.numel()
+    counts = count_targets(t, n_cols, ignore_index)
+    loss_rows = torch.empty(rows, dtype=torch.float32, device=x.device)
+    lse = torch.empty(target.shape, dtype=torch.float32, device=x.device)
+    pred = torch.empty(target.shape if return_pred else 0, dtype=torch.int64, device=x.device)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    grad2 = grad_buffer.view(rows, n_cols) if grad_buffer is not None else None
+    ce_rows(x2, t, grad2, loss_rows, lse, pred if return_pred else None, counts, one, ignore_index, reduction,
+            label_smoothing, z_loss, softcap, all_rows)
+    return reduce_loss(loss_rows, counts, reduction, target.shape, x.dtype), lse, pred
+
+
+def scale_rows_(grad2: Tensor, dloss: Tensor) -> None:
+    """grad2 [R, C] *= dloss (a scalar, or one value a row), in place; skips factors of 1.0."""
+    rows, n_cols = grad2.shape
+    if rows == 0 or n_cols == 0:
+        return
+    dloss = dloss.reshape(-1 if dloss.dim() else 1)
+    if dloss.numel() > 1:
+        dloss = dloss.contiguous()
+    programs = max(1, min(rows, num_programs_for(grad2.device) * 4))
+    block, num_warps = ce_settings(n_cols)
+    _cross_entropy_bwd_kernel[(programs,)](
+        grad2, dloss, grad2.stride(0), 1 if dloss.numel() > 1 else 0, rows, n_cols, triton.cdiv(rows, programs),
+        BLOCK_N=block, num_warps=num_warps,
+    )
+
+
+# ------------------------------------------------------------------ registered ops
+
+
+@torch.library.custom_op("onepass::cross_entropy_fwd", mutates_args=())
+def _cross_entropy_fwd(
+    logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+    softcap: Optional[float], compute_grad: bool, return_pred: bool, all_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss, lse, pred, grad); grad (d loss / d logits for an upstream gradient
+    of 1) is empty unless compute_grad, pred is empty unless return_pred."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else logits.new_empty(0)
+    loss, lse, pred = _fwd_launch(logits, target, grad if compute_grad else None, ignore_index, reduction,
+                                  label_smoothing, z_loss, softcap, return_pred, all_rows)
+    return loss, lse, pred, grad
+
+
+def _fake_outputs(logits, target, reduction, return_pred):
+    loss = logits.new_empty(target.shape if reduction == "none" else ())
+    lse = logits.new_empty(target.shape, dtype=torch.float32)
+    pred = logits.new_empty(target.shape if return_pred else 0, dtype=torch.int64)
+    return loss, lse, pred
+
+
+@_cross_entropy_fwd.register_fake
+def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap, compute_grad, return_pred, all_rows):
+    grad = logits.new_empty(logits.shape if compute_grad else 0)
+    return (*_fake_outputs(logits, target, reduction, return_pred), grad)
+
+
+@torch.library.custom_op("onepass::cross_entropy_fwd_inplace", mutates_args=("logits",))
+def _cross_entropy_fwd_inplace(
+    logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+    softcap: Optional[float], return_pred: bool, all_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Like cross_entropy_fwd with compute_grad, but the gradient overwrites the logits."""
+    return _fwd_launch(logits, target, logits, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred,
+                       all_rows)
+
+
+@_cross_entropy_fwd_inplace.register_fake
+def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred, all_rows):
+    return _fake_outputs(logits, target, reduction, return_pred)
+
+
+@torch.library.custom_op("onepass::scale_grad_", mutates_args=("grad",))
+def _scale_grad_(grad: Tensor, dloss: Tensor) -> None:
+    """grad *= dloss in place, rows of grad's last dim against dloss's elements (or a scalar)."""
+    scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1), dloss)
+
+
+@_scale_grad_.register_fake
+def _(grad, dloss):
+    return None
+
+
+def scaled_grad(grad: Tensor, dloss: Tensor) -> Tensor:
+    """The saved forward gradient times the upstream one: in place in eager (free when the
+    upstream gradient is 1); a plain multiply under torch.compile, whose graph owns memory."""
+    if torch.compiler.is_compiling():
+        return grad * (dloss.unsqueeze(-1) if dloss.dim() else dloss)
+    _scale_grad_(grad, dloss)
+    return grad
+
+
+def consume_forward_grad(ctx):
+    if getattr(ctx, "grad_consumed", False):
+        raise RuntimeError("onepass cross_entropy: the gradient computed in the forward was already used by a first "
+                           "backward; a second backward through the same graph (retain_graph=True) is not supported")
+    ctx.grad_consumed = True
+
+
+def _setup_context(ctx, inputs, output):
+    loss, lse, pred, grad = output
+    ctx.save_for_backward(grad)
+    ctx.mark_non_differentiable(lse, pred, grad)
+
+
+def _backward(ctx, dloss, _dlse, _dpred, _dgrad):
+    consume_forward_grad(ctx)
+    (grad,) = ctx.saved_tensors
+    return (scaled_grad(grad, dloss),) + (None,) * 9
+
+
+_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _InplaceGradCrossEntropy(torch.autograd.Function):
+    """The logits' storage receives their gradient in the forward; backward hands it on."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred, all_rows):
+        loss, lse, pred = _cross_entropy_fwd_inplace(logits, target, ignore_index, reduction, label_smoothing, z_loss,
+                                                     softcap, return_pred, all_rows)
+        ctx.save_for_backward(logits)  # saved after the write: it now holds the gradient
+        ctx.mark_non_differentiable(lse, pred)
+        return loss, lse, pred
+
+    @staticmethod
+    def backward(ctx, dloss, _dlse, _dpred):
+        consume_forward_grad(ctx)
+        (grad,) = ctx.saved_tensors
+        return (scaled_grad(grad, dloss),) + (None,) * 8
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def check_loss_options(target, n_cols, ignore_index, reduction, label_smoothing, z_loss, softcap, target_shape):
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
+    if target.shape != target_shape:
+        raise ValueError(f"target must have shape {tuple(target_shape)} (the input's without its last dim), "
+                         f"got {tuple(target.shape)}")
+    if n_cols == 0:
+        raise ValueError("the class (last) dim must not be empty")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None, *,
+                  inplace_grad: bool = False, return_lse: bool = False, return_pred: bool = False):
+    """Cross-entropy of ``logits`` [*, V] against class indices ``target`` [*].
+
+    Like ``F.cross_entropy(logits, target, ignore_index=..., reduction=...,
+    label_smoothing=...)`` for 2-D logits, with these differences:
+
+    - the class dim is the last one for any rank (PyTorch puts it at dim 1);
+    - no class ``weight``; the loss is returned in the logits' dtype (as PyTorch does),
+      but computed and reduced in float32;
+    - ``z_loss`` adds ``z_loss * lse^2`` per non-ignored row (PaLM's z-loss);
+    - ``softcap`` caps the logits first, ``softcap * tanh(logits / softcap)`` (Gemma 2);
+    - ``inplace_grad=True`` writes the gradient over the logits in the forward (when a
+      gradient is needed): no [*, V] buffer is allocated, and the logits' values are gone
+      afterwards (autograd's version counter flags any other use of them in backward);
+      the logits must then be viewable as [rows, V];
+    - out-of-range targets: see the module docstring (no host sync on CUDA).
+
+    Returns the loss; with ``return_lse`` or ``return_pred``, ``(loss, lse, pred)`` where
+    lse is the float32 log-sum-exp of each row (of the softcapped logits) and pred the
+    argmax, each [*] and None unless requested. Neither carries a gradient.
+    """
+    check_float("logits", logits)
+    if logits.dim() == 0:
+        raise ValueError("logits must have at least one dimension (the classes)")
+    check_loss_options(target, logits.shape[-1], ignore_index, reduction, label_smoothing, z_loss, softcap,
+                       logits.shape[:-1])
+    check_same_device(logits=logits, target=target)
+    if softcap is not None:
+        softcap = float(softcap)
+    args = (ignore_index, reduction, float(label_smoothing), float(z_loss), softcap)
+    if not use_triton(logits):
+        loss = reference.cross_entropy(logits, target, *args)
+        if not (return_lse or return_pred):
+            return loss
+        lse, pred = reference.logsumexp_argmax(logits.detach(), softcap)
+        return loss, (lse if return_lse else None), (pred if return_pred else None)
+
+    all_rows = return_lse or return_pred
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    if need_grad and inplace_grad:
+        if logits.stride(-1) != 1:
+            raise ValueError("inplace_grad needs logits with unit stride in the last dim")
+        try:
+            logits.view(-1, logits.shape[-1])
+        except RuntimeError as err:
+            raise ValueError("inplace_grad needs logits viewable as [rows, V] without a copy") from err
+        loss, lse, pred = _InplaceGradCrossEntropy.apply(logits, target, *args, return_pred, all_rows)
+    else:
+        loss, lse, pred, _ = _cross_entropy_fwd(logits, target, *args, need_grad, return_pred, all_rows)
+    if not (return_lse or return_pred):
+        return loss
+    return loss, (lse if return_lse else None), (pred if return_pred else None)

@@ -1,0 +1,263 @@
+"""The LM head and the cross-entropy together, never materialising the [tokens, V] logits.
+
+Math (x = hidden [T, H], W = weight [V, H], b = bias [V]; the loss is cross_entropy's):
+
+    logits = x W^T + b                       dlogits = d loss / d logits (cross_entropy.py)
+    dx = dlogits W,   dW = dlogits^T x,   db = sum over tokens of dlogits
+
+The tokens go through in chunks of C: per chunk, cuBLAS writes the chunk's logits
+[C, V] into one reused buffer, the cross-entropy kernel turns them into their gradient
+in place (for an upstream gradient of 1, as in cross_entropy), and two more GEMMs give
+the chunk's dx (complete: the GEMM sums over V) and add its share of dW into an
+accumulator (float32 by default, through cuBLAS's bf16/fp16 x bf16/fp16 -> fp32 GEMM,
+so the sum over chunks is not rounded to 16 bits at every chunk). The backward only
+scales the three gradients in place by the upstream gradient (skipped when it is 1).
+So forward + backward cost the three matmuls (6 T H V flops) and one read + one write
+of each chunk's logits; with ``reduction="none"`` the per-token upstream gradient is
+only known in backward, which then recomputes the logits (a fourth matmul).
+
+Chunk size: each chunk's dW GEMM reads and writes the whole [V, H] accumulator for
+2 C V H flops, i.e. C / (accumulator element size) flop per byte. C = 256 x that size
+(1024 tokens for float32) keeps it near the H100/H200 ridge (~200-300 flop/B) so the
+accumulator traffic hides under the math, and keeps the dx GEMM ([C, V] x [V, H]) a
+full wave of tiles. Memory above the inputs and the gradients themselves: the
+[C, V] logits buffer (C V s bytes), plus the float32 dW accumulator (4 V H bytes) and
+its final cast. Liger accumulates dW in the weight's dtype with C ~ 256, which is why
+its peak is lower; ``accum_dtype=weight.dtype`` does the same here (C = 512 by default,
+and no final cast), at the cost of T / C roundings of dW to 16 bits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._launch import as_rows, check_float, check_same_device, flat, use_triton
+from onepass.ops.cross_entropy import (
+    ce_rows,
+    check_loss_options,
+    consume_forward_grad,
+    count_targets,
+    reduce_loss,
+    scaled_grad,
+)
+
+# Tunables: the dW GEMM's arithmetic intensity in flop per byte of accumulator traffic
+# (sets the chunk: 256 x accumulator element size tokens), and the chunk rounding.
+WGRAD_FLOP_PER_BYTE = 256
+CHUNK_MULTIPLE = 64
+
+
+def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, chunk_size: int | None = None) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, else the smallest chunk that keeps the
+    weight-gradient GEMM compute-bound, evened out over the chunks so the last is not tiny."""
+    if chunk_size:
+        return max(1, min(chunk_size, n_tokens))
+    target = WGRAD_FLOP_PER_BYTE * torch.finfo(acc_dtype).bits // 8
+    n_chunks = max(1, triton.cdiv(n_tokens, target))
+    even = triton.cdiv(triton.cdiv(n_tokens, n_chunks), CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+    return max(1, min(even, n_tokens))
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, accumulated in acc's dtype."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # 16-bit operands, fp32 accumulator and output
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # the CPU has no mixed-dtype GEMM
+
+
+def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                need_dh, need_dw, need_db, return_pred, all_rows, chunk_size, accum_dtype):
+    """One pass over the token chunks. With ``dloss`` (reduction "none", in backward) the
+    gradients are scaled by it per token; without, by 1. Returns
+    (loss, lse, pred, d_hidden, d_weight, d_bias), unneeded ones empty."""
+    n_vocab, n_hidden = weight.shape
+    h2 = as_rows(hidden)
+    t = flat(target)
+    n_tokens = t.numel()
+    dev = hidden.device
+    counts = count_targets(t, n_vocab, ignore_index)
+    loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=dev)
+    lse = torch.empty(n_tokens, dtype=torch.float32, device=dev)
+    pred = torch.empty(n_tokens if return_pred else 0, dtype=torch.int64, device=dev)
+    any_grad = need_dh or need_dw or need_db
+    d_hidden = torch.empty((n_tokens, n_hidden), dtype=hidden.dtype, device=dev) if need_dh else None
+    d_weight = torch.zeros((n_vocab, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
+    d_bias = torch.zeros(n_vocab, dtype=torch.float32, device=dev) if need_db else None
+    scale = flat(dloss) if dloss is not None else torch.ones((), dtype=torch.float32, device=dev)
+    chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else weight.dtype, chunk_size)
+    buf = torch.empty((min(chunk, n_tokens), n_vocab), dtype=hidden.dtype, device=dev)
+    w_t = weight.t()
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        z, h_c = buf[: end - start], h2[start:end]
+        if bias is None:
+            torch.mm(h_c, w_t, out=z)  # write C x V logits
+        else:
+            torch.addmm(bias, h_c, w_t, out=z)
+        ce_rows(z, t[start:end], z if any_grad else None, loss_rows[start:end], lse[start:end],
+                pred[start:end] if return_pred else None, counts, scale[start:end] if scale.dim() else scale,
+                ignore_index, reduction, label_smoothing, z_loss, softcap, all_rows)  # read z, write dz over it
+        if need_dh:
+            torch.mm(z, weight, out=d_hidden[start:end])
+        if need_dw:
+            _accumulate_mm(d_weight, z.t(), h_c)
+        if need_db:
+            d_bias += z.sum(0, dtype=torch.float32)
+    loss = reduce_loss(loss_rows, counts, reduction, target.shape, hidden.dtype)
+    return (
+        loss, lse.view(target.shape), pred.view(target.shape) if return_pred else pred,
+        d_hidden.view(hidden.shape) if need_dh else hidden.new_empty(0),  # (outputs may not alias)
+        d_weight.to(weight.dtype) if need_dw else hidden.new_empty(0),
+        d_bias.to(bias.dtype) if need_db else hidden.new_empty(0),
+    )
+
+
+# ------------------------------------------------------------------ registered ops
+
+
+@torch.library.custom_op("onepass::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
+    label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool, need_db: bool,
+    return_pred: bool, all_rows: bool, chunk_size: int, accum_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, pred, d_hidden, d_weight, d_bias); the gradients (for an upstream
+    gradient of 1) only where asked for and the reduction is not "none"."""
+    grads = reduction != "none"
+    return _lce_launch(hidden, weight, target, bias, None, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                       need_dh and grads, need_dw and grads, need_db and grads, return_pred, all_rows, chunk_size,
+                       accum_dtype)
+
+
+def _fake_grads(hidden, weight, bias, need_dh, need_dw, need_db):
+    return (hidden.new_empty(hidden.shape if need_dh else 0), weight.new_empty(weight.shape if need_dw else 0),
+            hidden.new_empty(bias.shape if need_db else 0))
+
+
+@_lce_fwd.register_fake
+def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, need_dh, need_dw,
+      need_db, return_pred, all_rows, chunk_size, accum_dtype):
+    grads = reduction != "none"
+    loss = hidden.new_empty(target.shape if reduction == "none" else ())
+    lse = hidden.new_empty(target.shape, dtype=torch.float32)
+    pred = hidden.new_empty(target.shape if return_pred else 0, dtype=torch.int64)
+    return (loss, lse, pred,
+            *_fake_grads(hidden, weight, bias, need_dh and grads, need_dw and grads, need_db and grads))
+
+
+@torch.library.custom_op("onepass::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd(
+    dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
+    label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool, need_db: bool,
+    chunk_size: int, accum_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """reduction="none": recompute each chunk's logits and scale its gradient per token by dloss."""
+    out = _lce_launch(hidden, weight, target, bias, dloss, ignore_index, "none", label_smoothing, z_loss, softcap,
+                      need_dh, need_dw, need_db, False, False, chunk_size, accum_dtype)
+    return out[3], out[4], out[5]
+
+
+@_lce_bwd.register_fake
+def _(dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, need_dh, need_dw, need_db,
+      chunk_size, accum_dtype):
+    return _fake_grads(hidden, weight, bias, need_dh, need_dw, need_db)
+
+
+def _setup_context(ctx, inputs, output):
+    (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, need_dh, need_dw,
+     need_db, return_pred, all_rows, chunk_size, accum_dtype) = inputs
+    loss, lse, pred, d_hidden, d_weight, d_bias = output
+    ctx.mark_non_differentiable(lse, pred, d_hidden, d_weight, d_bias)
+    ctx.needs = (need_dh, need_dw, need_db)
+    ctx.recompute = reduction == "none"
+    if ctx.recompute:
+        ctx.save_for_backward(hidden, weight, target, bias)
+        ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
+        ctx.chunk_size, ctx.accum_dtype = chunk_size, accum_dtype
+    else:
+        ctx.save_for_backward(d_hidden, d_weight, d_bias)
+
+
+def _backward(ctx, dloss, _dlse, _dpred, _ddh, _ddw, _ddb):
+    if ctx.recompute:
+        hidden, weight, target, bias = ctx.saved_tensors
+        grads = _lce_bwd(dloss, hidden, weight, target, bias, *ctx.options, *ctx.needs, ctx.chunk_size,
+                         ctx.accum_dtype)
+    else:
+        consume_forward_grad(ctx)
+        grads = ctx.saved_tensors
+    d_hidden, d_weight, d_bias = (scaled_grad(g, dloss) if need and not ctx.recompute else (g if need else None)
+                                  for g, need in zip(grads, ctx.needs))
+    return (d_hidden, d_weight, None, d_bias) + (None,) * 12
+
+
+_lce_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- public function
+
+
+def _check(hidden, weight, target, bias, accum_dtype, chunk_size):
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if hidden.dim() == 0:
+        raise ValueError("hidden must have at least one dimension (the features)")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}] (hidden's last dim), got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if bias is not None:
+        check_float("bias", bias)
+        if bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype:
+            raise ValueError(f"bias must be 1-D of length {weight.shape[0]} and dtype {hidden.dtype}, "
+                             f"got {tuple(bias.shape)} {bias.dtype}")
+    if accum_dtype not in (torch.float32, weight.dtype):
+        raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
+    check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: float | None = None, *, return_lse: bool = False,
+                         return_pred: bool = False, chunk_size: int | None = None,
+                         accum_dtype: torch.dtype = torch.float32):
+    """``cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the full logits.
+
+    hidden [*, H], weight [V, H], bias [V] (one dtype), target [*]; the options and the
+    returns are those of :func:`onepass.ops.cross_entropy` (the logits are computed in
+    hidden's dtype, as F.linear does). ``chunk_size`` overrides the tokens per chunk
+    (default: chosen from the accumulator, see the module docstring); ``accum_dtype`` is
+    the dtype dW is accumulated in across chunks: float32 (default) or the weight's.
+    Gradients are computed during the forward when autograd needs them (all three
+    matmuls run there), so a second backward through the same graph raises.
+    """
+    _check(hidden, weight, target, bias, accum_dtype, chunk_size)
+    check_loss_options(target, weight.shape[0], ignore_index, reduction, label_smoothing, z_loss, softcap,
+                       hidden.shape[:-1])
+    softcap = float(softcap) if softcap is not None else None
+    args = (ignore_index, reduction, float(label_smoothing), float(z_loss), softcap)
+    if not use_triton(hidden):
+        loss = reference.linear_cross_entropy(hidden, weight, target, bias, *args)
+        if not (return_lse or return_pred):
+            return loss
+        with torch.no_grad():
+            lse, pred = reference.logsumexp_argmax(torch.nn.functional.linear(hidden, weight, bias), softcap)
+        return loss, (lse if return_lse else None), (pred if return_pred else None)
+    grad_on = torch.is_grad_enabled()
+    needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+             grad_on and bias is not None and bias.requires_grad)
+    loss, lse, pred, *_ = _lce_fwd(hidden, weight, target, bias, *args, *needs, return_pred,
+                                   return_lse or return_pred, chunk_size or 0, accum_dtype)
+    if not (return_lse or return_pred):
+        return loss
+    return loss, (lse if return_lse else None), (pred if return_pred else None)
