@@ -2,9 +2,11 @@
 
 from onepass.ops.activation import bias_gelu, geglu, swiglu
 from onepass.ops.attention import attention
+from onepass.ops.cross_entropy import cross_entropy
+from onepass.ops.linear_cross_entropy import linear_cross_entropy
 from onepass.ops.decode_attention import decode_attention
 from onepass.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.ops.rope import rope
 from onepass.ops.softmax import softmax
 
-__all__ = ["attention", "decode_attention", "bias_gelu", "geglu", "swiglu", "add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rope", "softmax"]
+__all__ = ["attention", "cross_entropy", "linear_cross_entropy", "decode_attention", "bias_gelu", "geglu", "swiglu", "add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rope", "softmax"]
