@@ -1,0 +1,73 @@
+"""``onepass analyze``: the analyzer on a built-in model, from the command line.
+
+    onepass analyze --model llama-1b                       # meta tensors, H100 datasheet, forward
+    onepass analyze --model gpt2 --mode train --gpu A100 --out out/gpt2
+    onepass analyze --model llama-1b --measure --out out/  # on a CUDA GPU: profiled side too
+
+The lead wires it: ``add_arguments(subparser)`` then ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from onepass.analyze.gpus import GPUS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from onepass.models.configs import CONFIGS
+
+    parser.add_argument("--model", default="llama-1b", choices=sorted(CONFIGS), help="built-in model configuration")
+    parser.add_argument("--gpu", default="H100", choices=list(GPUS), help="datasheet ceilings for the roofline")
+    parser.add_argument("--mode", default="forward", choices=["forward", "train"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--out", default=None, help="directory for report.json/.md/.html, roofline.svg, trace.json")
+    parser.add_argument("--measure", action="store_true",
+                        help="also run real steps on the CUDA GPU (eager and torch.compile) and profile them")
+    parser.add_argument("--top", type=int, default=12, help="rows per table in the terminal")
+    parser.add_argument("--quiet", action="store_true", help="no progress counter")
+
+
+def run(args: argparse.Namespace) -> int:
+    from onepass.analyze import analyze
+    from onepass.models.configs import build
+
+    if args.batch < 1 or args.seq < 1:
+        print("onepass analyze: --batch and --seq must be positive", file=sys.stderr)
+        return 2
+    if args.measure and not torch.cuda.is_available():
+        print("onepass analyze: --measure needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = "cuda" if args.measure else "meta"
+    if device == "cuda":
+        torch.manual_seed(0)
+    model = build(args.model, device=device, dtype=getattr(torch, args.dtype))
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+    kwargs = {"use_cache": False}
+    if args.mode == "train":
+        kwargs["labels"] = ids
+    variants = {"torch.compile": torch.compile(model)} if args.measure else None
+    report = analyze(model, ids, gpu=args.gpu, mode=args.mode, measure=args.measure, variants=variants,
+                     quiet=args.quiet, title=f"{args.model} batch {args.batch} x seq {args.seq}",
+                     trace_dir=args.out, **kwargs)
+    print(report.table(top=args.top))
+    if args.out:
+        for path in report.write(args.out):
+            print(f"wrote {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="onepass analyze", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

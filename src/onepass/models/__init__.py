@@ -1,0 +1,1 @@
+"""Model families onepass knows, and built-in model configurations (``onepass.models.configs``)."""

@@ -1,0 +1,64 @@
+"""Built-in model configurations: Hugging Face models with random weights, nothing downloaded.
+
+``CONFIGS`` maps a name to a function returning a transformers config; ``build`` turns a
+name into the model, on the ``meta`` device (no memory: the analyzer's default, a
+billion-parameter model costs nothing) or on the CPU/GPU with randomly initialised weights.
+
+    llama-1b        Llama-3.2-1B-shaped: hidden 2048, 16 layers, 32 query / 8 key-value
+                    heads, intermediate 8192, vocab 128256, tied embeddings, rope_theta 5e5
+    gpt2            GPT-2 small: 768 hidden, 12 layers, 12 heads, vocab 50257
+    llama-tiny      the Llama layout at toy size (tests, quick CPU runs)
+    gpt2-tiny       the GPT-2 layout at toy size
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def _llama(**overrides):
+    from transformers import LlamaConfig
+
+    settings = dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, head_dim=64,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def _gpt2(**overrides):
+    from transformers import GPT2Config
+
+    settings = dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)
+    settings.update(overrides)
+    return GPT2Config(**settings)
+
+
+CONFIGS: dict[str, Callable[[], object]] = {
+    "llama-1b": _llama,
+    "gpt2": _gpt2,
+    "llama-tiny": lambda: _llama(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=128, vocab_size=256, head_dim=16, max_position_embeddings=256),
+    "gpt2-tiny": lambda: _gpt2(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
+                               bos_token_id=255, eos_token_id=255),
+}
+
+
+def build(name: str, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16):
+    """The Hugging Face causal-LM model for ``name`` (a key of ``CONFIGS``), in eval mode.
+
+    On ``meta`` nothing is allocated; elsewhere the weights are random (seeded by the caller).
+    """
+    if name not in CONFIGS:
+        raise ValueError(f"model: unknown name {name!r}; expected one of {sorted(CONFIGS)}")
+    from transformers import AutoModelForCausalLM
+
+    config = CONFIGS[name]()
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
