@@ -549,8 +549,8 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if q.numel() == 0 or k.numel() == 0:
-        return dq, dk.zero_(), dv.zero_()
+    if q.numel() == 0 or k.numel() == 0:  # nothing attends: zero gradients
+        return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
     dlse = dlse.contiguous() if dlse is not None else None  # indexed with lse's strides (autograd may expand it)
     common = dict(BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,

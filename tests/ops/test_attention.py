@@ -1,0 +1,211 @@
+import pytest
+import torch
+
+from onepass import ops, reference
+from onepass.testing import assert_close
+
+# The interpreter's tiles are 32 queries x 16 keys (16 x 32 in the dK/dV kernel), so 33
+# is one more than a block on both sides and 17 one more than the small one.
+
+
+def _qkv(shape_q, shape_kv, dtype, device):
+    return (torch.randn(shape_q, dtype=dtype, device=device), torch.randn(shape_kv, dtype=dtype, device=device),
+            torch.randn(shape_kv, dtype=dtype, device=device))
+
+
+def _check(q, k, v, dtype, use_lse=False, scale=1.0, **kw):
+    """Output, LSE and every gradient against the float64 reference (same dO, same dLSE)."""
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    o, lse = ops.attention(q, k, v, return_lse=True, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == torch.float32
+    do = torch.randn_like(o)
+    finite = torch.isfinite(lse.detach())
+    dlse = torch.randn_like(lse) * finite if use_lse else None  # no gradient into -inf entries
+    torch.autograd.backward([o, lse] if use_lse else [o], [do, dlse] if use_lse else [do])
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ro, rlse = reference.attention(qd, kd, vd, return_lse=True, **kw)
+    torch.autograd.backward([ro, rlse] if use_lse else [ro], [do.double(), dlse.double()] if use_lse else [do.double()])
+    assert_close(o, ro, dtype, "output", scale)
+    assert torch.equal(finite, torch.isfinite(rlse)), "queries that see no key must get LSE -inf"
+    assert_close(lse[finite], rlse[finite], dtype, "lse", scale)
+    # a gradient that cancels to zero (one key: dk = 0) is measured against dO's scale
+    floor = 0.1 * do.double().norm().item()
+    for name, t, d in (("dq", q, qd), ("dk", k, kd), ("dv", v, vd)):
+        assert t.grad is not None and t.grad.dtype == t.dtype and t.grad.shape == t.shape, name
+        assert_close(t.grad, d.grad, dtype, name, scale, floor)
+
+
+FEATURES = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "gqa_causal": dict(kv_heads=2, causal=True),
+    "mqa": dict(kv_heads=1),
+    "window_causal": dict(causal=True, window=8),
+    "window_left_right": dict(window=(5, 20)),
+    "softcap_causal": dict(causal=True, softcap=2.0),
+    "gqa_window_softcap_causal": dict(kv_heads=1, causal=True, window=(17, None), softcap=5.0),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_features_match_reference(feature, device):
+    kw = dict(FEATURES[feature])
+    kv_heads = kw.pop("kv_heads", 4)
+    q, k, v = _qkv((1, 4, 33, 16), (1, kv_heads, 33, 16), torch.float32, device)
+    _check(q, k, v, torch.float32, **kw)
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (1, 37), (17, 65), (65, 17), (80, 80)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequence_lengths(sq, sk, causal, device):
+    """Bottom-right causal: with S_q > S_k the first S_q - S_k queries see nothing (zero output)."""
+    q, k, v = _qkv((2, 2, sq, 32), (2, 1, sk, 32), torch.float32, device)
+    _check(q, k, v, torch.float32, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim, kw", [(32, dict(causal=True, window=12)), (80, dict()), (24, dict(softcap=3.0))])
+def test_float16_and_padded_head_dims(head_dim, kw, device):
+    q, k, v = _qkv((1, 4, 40, head_dim), (1, 2, 40, head_dim), torch.float16, device)
+    _check(q, k, v, torch.float16, **kw)
+
+
+def test_gradient_through_lse_and_scale(device):
+    q, k, v = _qkv((1, 2, 33, 16), (1, 2, 50, 16), torch.float32, device)
+    _check(q, k, v, torch.float32, use_lse=True, causal=True, scale=0.3)
+
+
+def test_bshd_and_non_contiguous(device):
+    q = torch.randn(2, 40, 3, 2, 16, device=device)[:, :, :, 0]  # [B, S, H=3, D], strided heads
+    k = torch.randn(2, 3, 40, 16, device=device).transpose(1, 2)[:, :, :1]  # [B, S, 1, D] from bhsd storage
+    v = torch.randn(2, 40, 1, 32, device=device)[..., ::2]  # head dim stride 2: copied
+    assert not q.is_contiguous() and not k.is_contiguous() and v.stride(-1) == 2
+    _check(q, k, v, torch.float32, causal=True, layout="bshd")
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=6, softcap=4.0)])
+def test_varlen_packed_sequences(kw, device):
+    lens = [5, 33, 1, 20]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q, k, v = _qkv((59, 4, 16), (59, 2, 16), torch.float32, device)
+    _check(q, k, v, torch.float32, use_lse=True, layout="bshd", cu_seqlens=cu, **kw)
+
+
+def test_varlen_equals_separate_calls(device):
+    lens = [17, 40]
+    cu = torch.tensor([0, 17, 57], dtype=torch.int32, device=device)
+    q, k, v = _qkv((57, 2, 16), (57, 2, 16), torch.float32, device)
+    packed = ops.attention(q, k, v, causal=True, layout="bshd", cu_seqlens=cu)
+    start = 0
+    for n in lens:
+        one = ops.attention(*(t[None, start:start + n] for t in (q, k, v)), causal=True, layout="bshd")
+        assert_close(packed[start:start + n], one[0], torch.float32)
+        start += n
+
+
+@pytest.mark.parametrize("shape_q, shape_kv", [((0, 2, 8, 16), (0, 2, 8, 16)), ((1, 2, 0, 16), (1, 2, 8, 16)),
+                                               ((1, 2, 5, 16), (1, 2, 0, 16))])
+def test_empty(shape_q, shape_kv, device):
+    q, k, v = (t.requires_grad_(True) for t in _qkv(shape_q, shape_kv, torch.float32, device))
+    o = ops.attention(q, k, v)
+    assert o.shape == q.shape
+    assert torch.equal(o, torch.zeros_like(o))  # no key: zero output
+    o.sum().backward()
+    for t in (q, k, v):
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_torch_compile_fullgraph(device):
+    q, k, v = (t.requires_grad_(True) for t in _qkv((1, 4, 20, 16), (1, 2, 20, 16), torch.float32, device))
+
+    def block(q, k, v):
+        o, lse = ops.attention(q, k, v, causal=True, window=9, return_lse=True)
+        return o * 2 + lse[..., None]
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = compiled(q, k, v)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    eager = block(q, k, v)
+    eager.sum().backward()
+    assert_close(out, eager, torch.float32)
+    for g, t in zip(grads, (q, k, v)):
+        assert_close(g, t.grad, torch.float32)
+
+
+def test_opcheck(device):
+    from onepass.ops.attention import _attention_fwd
+
+    q, k, v = (t.requires_grad_(True) for t in _qkv((1, 2, 17, 16), (1, 1, 17, 16), torch.float32, device))
+    cu = torch.tensor([0, 7, 17], dtype=torch.int32, device=device)
+    for args in [(q, k, v, None, 0.25, -1, 0, 0.0, "bhsd"),
+                 (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, 0.25, 4, 0, 2.0, "bshd")]:
+        torch.library.opcheck(_attention_fwd, args)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda q, k, v: ops.attention(q, k.half(), v), TypeError, "dtype"),
+    (lambda q, k, v: ops.attention(q.long(), k, v), TypeError, "q"),
+    (lambda q, k, v: ops.attention(q, k[:, :3], v[:, :3]), ValueError, "multiple"),
+    (lambda q, k, v: ops.attention(q, k, v[:, :, :5]), ValueError, "k and v"),
+    (lambda q, k, v: ops.attention(q[0], k[0], v[0]), ValueError, "4-D"),
+    (lambda q, k, v: ops.attention(q, k[..., :8], v[..., :8]), ValueError, "head dim"),
+    (lambda q, k, v: ops.attention(q, k[:1], v[:1]), ValueError, "batch"),
+    (lambda q, k, v: ops.attention(q, k, v, layout="sbhd"), ValueError, "layout"),
+    (lambda q, k, v: ops.attention(q, k, v, softcap=-1.0), ValueError, "softcap"),
+    (lambda q, k, v: ops.attention(q, k, v, window=0), ValueError, "window"),
+    (lambda q, k, v: ops.attention(q, k, v, window=(1, 2, 3)), ValueError, "window"),
+    (lambda q, k, v: ops.attention(q[0], k[0], v[0], layout="bshd",
+                                   cu_seqlens=torch.tensor([0, 4], device=q.device)), ValueError, "int32"),
+    (lambda q, k, v: ops.attention(q, k, v, layout="bshd", cu_seqlens=torch.tensor([0, 4], dtype=torch.int32,
+                                                                                   device=q.device)),
+     ValueError, "packed"),
+    (lambda q, k, v: ops.attention(*(torch.randn(1, 1, 4, 300, device=q.device) for _ in range(3))),
+     ValueError, "head dim"),
+    (lambda q, k, v: ops.attention(q, k.to("meta"), v), ValueError, "device"),
+])
+def test_bad_input_raises(call, error, words, device):
+    q, k, v = _qkv((2, 4, 8, 16), (2, 4, 8, 16), torch.float32, device)
+    with pytest.raises(error, match=words):
+        call(q, k, v)
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=700, softcap=30.0)])
+def test_gpu_bf16_real_sizes(head_dim, kw):
+    q, k, v = _qkv((2, 8, 1500, head_dim), (2, 2, 1500, head_dim), torch.bfloat16, "cuda")
+    _check(q, k, v, torch.bfloat16, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_varlen_and_cross_lengths():
+    lens = [1, 1000, 129, 2048, 77]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = _qkv((sum(lens), 16, 128), (sum(lens), 4, 128), torch.bfloat16, "cuda")
+    _check(q, k, v, torch.bfloat16, use_lse=True, causal=True, layout="bshd", cu_seqlens=cu)
+    q, k, v = _qkv((1, 1000, 8, 128), (1, 3000, 8, 128), torch.bfloat16, "cuda")
+    _check(q, k, v, torch.bfloat16, causal=True, layout="bshd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_memory_grows_linearly_in_sequence_length(causal):
+    """Forward + backward peak memory above the inputs: 4x the sequence, ~4x the memory (S^2 would be 16x)."""
+    def extra_bytes(s):
+        q, k, v = (t.requires_grad_(True) for t in _qkv((1, 16, s, 128), (1, 16, s, 128), torch.bfloat16, "cuda"))
+        do = torch.randn_like(q)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ops.attention(q, k, v, causal=causal).backward(do)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    small, large = extra_bytes(4096), extra_bytes(16384)
+    assert large <= 5 * small, f"peak memory grew {large / small:.1f}x for 4x the sequence"
