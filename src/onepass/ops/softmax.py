@@ -16,8 +16,9 @@ stride-0 dims and never expanded in memory; a causal mask is never read at all):
 
     op           unfused PyTorch (HF style)                  fused minimum
     fwd          ~8 passes: x*scale (r,w), +mask (r,r,w),     read x, write y          2 MNs
-                 softmax (r 3x, w)                            (causal: the hidden tail of a row
-                                                               is not read, only written as zeros)
+                 softmax (r 3x, w)                            (causal: the hidden tail of a row,
+                                                               past the next multiple of 16, is
+                                                               not read, only written as zeros)
     bwd          ~5 passes                                    read y, dy; write dx     3 MNs
 
 A program takes BLOCK_M rows (several short rows in one 2-D tile, or one long row).
@@ -50,25 +51,31 @@ NO_MASK, BOOL_MASK, ADD_MASK = 0, 1, 2
 
 @triton.jit
 def _rows_and_visible(n_rows, n_cols, seq_q, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's rows (int64), their query index, and how many leading columns each sees."""
+    """This program's rows (int64), their query index, how many leading columns each sees
+    ([BLOCK_M, 1]), and how many it loads: the visible count rounded up to 16, so the
+    loads stay 16-byte vectors (compiled for sm_90: scalar loads otherwise)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     q = rows % seq_q
     if CAUSAL:
         visible = tl.minimum(tl.maximum(q + diag + 1, 0), n_cols)
+        loaded = tl.minimum((visible + 15) // 16 * 16, n_cols)
     else:
         visible = tl.zeros_like(rows) + n_cols
-    visible = tl.where(rows < n_rows, visible, 0)
-    return rows, q, visible
+        loaded = visible
+    in_rows = rows < n_rows
+    return rows, q, tl.where(in_rows, visible, 0)[:, None], tl.where(in_rows, loaded, 0)[:, None]
 
 
 @triton.jit
-def _scores(x_row, m_row, c, keep, scale_log2, m_col_stride, MASK: tl.constexpr):
+def _scores(x_row, m_row, c, vis, loaded, scale_log2, m_col_stride, MASK: tl.constexpr):
     """z * log2(e) for a [BLOCK_M, BLOCK_N] tile, -inf where masked; hidden columns are not read."""
-    z = tl.load(x_row + c, mask=keep, other=0.0).to(tl.float32) * scale_log2
+    ld = c < loaded
+    z = tl.load(x_row + c, mask=ld, other=0.0).to(tl.float32) * scale_log2
+    keep = c < vis
     if MASK == 1:
-        keep = keep & (tl.load(m_row + c * m_col_stride, mask=keep, other=0) != 0)
+        keep = keep & (tl.load(m_row + c * m_col_stride, mask=ld, other=0) != 0)
     if MASK == 2:
-        z += tl.load(m_row + c * m_col_stride, mask=keep, other=0.0).to(tl.float32) * LOG2E
+        z += tl.load(m_row + c * m_col_stride, mask=ld, other=0.0).to(tl.float32) * LOG2E
     return tl.where(keep, z, -float("inf"))
 
 
@@ -81,7 +88,7 @@ def _softmax_fwd_kernel(
     MASK: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
-    rows, q, visible = _rows_and_visible(n_rows, n_cols, seq_q, diag, CAUSAL, BLOCK_M)
+    rows, q, vis, loaded = _rows_and_visible(n_rows, n_cols, seq_q, diag, CAUSAL, BLOCK_M)
     # x and the mask are [batch, heads, S_q, S_k] through their own (possibly 0) strides
     t = rows // seq_q
     b, h = t // heads, t % heads
@@ -90,9 +97,8 @@ def _softmax_fwd_kernel(
     y_row = y_ptr + (rows * n_cols)[:, None]
     in_rows = (rows < n_rows)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
-    vis = visible[:, None]
     if ONE_BLOCK:
-        z = _scores(x_row, m_row, cols, cols < vis, scale_log2, m_col_stride, MASK)
+        z = _scores(x_row, m_row, cols, vis, loaded, scale_log2, m_col_stride, MASK)
         mx = tl.max(z, axis=1)
         mx = tl.where(mx == -float("inf"), 0.0, mx)  # a fully masked row: every exp2(-inf) = 0, no NaN
         e = tl.exp2(z - mx[:, None])
@@ -103,9 +109,9 @@ def _softmax_fwd_kernel(
         # Pass 1: online max and sum over the visible prefix only (masked blocks skipped).
         mx = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(0, tl.max(visible, axis=0), BLOCK_N):
+        for start in range(0, tl.max(tl.max(loaded, axis=1), axis=0).to(tl.int32), BLOCK_N):
             c = start + cols
-            z = _scores(x_row, m_row, c, c < vis, scale_log2, m_col_stride, MASK)
+            z = _scores(x_row, m_row, c, vis, loaded, scale_log2, m_col_stride, MASK)
             new_mx = tl.maximum(mx, tl.max(z, axis=1))
             safe = tl.where(new_mx == -float("inf"), 0.0, new_mx)
             total = total * tl.exp2(mx - safe) + tl.sum(tl.exp2(z - safe[:, None]), axis=1)
@@ -115,7 +121,7 @@ def _softmax_fwd_kernel(
         # Pass 2: write every column; the hidden tail is not read and comes out 0.
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
-            z = _scores(x_row, m_row, c, c < vis, scale_log2, m_col_stride, MASK)
+            z = _scores(x_row, m_row, c, vis, loaded, scale_log2, m_col_stride, MASK)
             y = tl.exp2(z - mx[:, None]) * inv[:, None]
             tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=in_rows & (c < n_cols))
 
@@ -125,14 +131,14 @@ def _softmax_bwd_kernel(
     y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, seq_q, diag, scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
-    # y, dy and dx are contiguous [n_rows, n_cols]; y is 0 wherever the forward masked.
-    rows, q, visible = _rows_and_visible(n_rows, n_cols, seq_q, diag, CAUSAL, BLOCK_M)
+    # y, dy and dx are contiguous [n_rows, n_cols]; y is 0 wherever the forward masked
+    # (the few hidden columns loaded past the visible ones included), so dx is 0 there.
+    rows, q, vis, loaded = _rows_and_visible(n_rows, n_cols, seq_q, diag, CAUSAL, BLOCK_M)
     off = (rows * n_cols)[:, None]
     in_rows = (rows < n_rows)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
-    vis = visible[:, None]
     if ONE_BLOCK:
-        keep = cols < vis
+        keep = cols < loaded
         y = tl.load(y_ptr + off + cols, mask=keep, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + off + cols, mask=keep, other=0.0).to(tl.float32)
         dot = tl.sum(y * dy, axis=1)
@@ -140,16 +146,16 @@ def _softmax_bwd_kernel(
         tl.store(dx_ptr + off + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_rows & (cols < n_cols))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, tl.max(visible, axis=0), BLOCK_N):
+        for start in range(0, tl.max(tl.max(loaded, axis=1), axis=0).to(tl.int32), BLOCK_N):
             c = start + cols
-            keep = c < vis
+            keep = c < loaded
             y = tl.load(y_ptr + off + c, mask=keep, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + off + c, mask=keep, other=0.0).to(tl.float32)
             acc += y * dy
         dot = tl.sum(acc, axis=1)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
-            keep = c < vis
+            keep = c < loaded
             y = tl.load(y_ptr + off + c, mask=keep, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + off + c, mask=keep, other=0.0).to(tl.float32)
             dx = y * (dy - dot[:, None]) * scale
