@@ -1,0 +1,80 @@
+"""Host (CPU) time of one call of each layer of an op, GPU work excluded where possible.
+
+    python benchmarks/host_overhead.py
+
+A step is host-bound when its host time exceeds its GPU time; this splits the host time
+into the Triton launch, the registered op, autograd, and the autograd engine's thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import onepass.ops.norm as norm
+
+ROWS, N = 16384, 4096
+
+
+def host_us(fn, n=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - t) / n * 1e6
+
+
+class _Plain(torch.autograd.Function):
+    """The same launchers under a plain autograd.Function, for comparison."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        y, h, mean, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
+        ctx.save_for_backward(x, w, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, mean, rstd = ctx.saved_tensors
+        dx, _, dw, _ = norm._norm_bwd_launch(dy, None, x, w, False, mean, rstd, 0.0, 0, True, x.dtype, False)
+        return dx, dw
+
+
+def main():
+    x = torch.randn(ROWS, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    xs, ws = x.detach()[:64], w.detach()
+    dys = dy[:64]
+    _, _, mean, rstd = norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype)
+
+    def step(fn):
+        def run():
+            x.grad = w.grad = None
+            fn(x, w).backward(dy)
+        return run
+
+    rows = {
+        "fwd launcher (64 rows)": lambda: norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype),
+        "bwd launcher (64 rows)": lambda: norm._norm_bwd_launch(dys, None, xs, ws, False, mean, rstd, 0.0, 0, True,
+                                                                xs.dtype, False),
+        "fwd custom op (64 rows)": lambda: norm._norm_fwd(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype),
+        "bwd custom op (64 rows)": lambda: norm._norm_bwd(dys, None, xs, ws, False, mean, rstd, 0.0, 0, True,
+                                                          xs.dtype, False),
+        "rms_norm fwd (64 rows, no grad)": lambda: norm.rms_norm(xs, ws),
+        "fwd+bwd step, public op": step(norm.rms_norm),
+        "fwd+bwd step, plain autograd.Function": step(_Plain.apply),
+        "fwd+bwd step, F.rms_norm": step(lambda x, w: torch.nn.functional.rms_norm(x, (N,), w, 1e-6)),
+    }
+    for name, fn in rows.items():
+        host, total = host_us(fn)
+        print(f"{name:<42} host {host:7.1f} us   with GPU {total:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
