@@ -1,0 +1,121 @@
+import pytest
+import torch
+
+from onepass import ops, reference
+from onepass.testing import assert_close
+
+
+def _inputs(batch, heads, kv_heads, n_tokens, cache_len, head_dim, dtype, device, layout="bhsd"):
+    def shape(h, s):
+        return (batch, h, s, head_dim) if layout == "bhsd" else (batch, s, h, head_dim)
+
+    return (torch.randn(shape(heads, n_tokens), dtype=dtype, device=device),
+            torch.randn(shape(kv_heads, cache_len), dtype=dtype, device=device),
+            torch.randn(shape(kv_heads, cache_len), dtype=dtype, device=device))
+
+
+def _check(q, k, v, lens, dtype, **kw):
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=q.device)
+    out = ops.decode_attention(q, k, v, seqlens, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    kw.pop("num_splits", None)
+    ref = reference.decode_attention(q.double(), k.double(), v.double(), seqlens, **kw)
+    assert_close(out, ref, dtype)
+    return out
+
+
+# The interpreter's key tile is 16: lengths 1, 16 + 1, one short of the cache, the full cache.
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 7])
+def test_different_lengths_per_sequence(num_splits, device):
+    q, k, v = _inputs(4, 8, 2, 1, 70, 32, torch.float32, device)
+    _check(q, k, v, [70, 1, 17, 69], torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_several_new_tokens_are_causal_among_themselves(kv_heads, device):
+    q, k, v = _inputs(2, 4, kv_heads, 3, 50, 16, torch.float32, device)
+    _check(q, k, v, [50, 20], torch.float32, num_splits=3)
+
+
+def test_bshd_softcap_scale(device):
+    q, k, v = _inputs(2, 8, 2, 2, 40, 16, torch.float32, device, layout="bshd")
+    _check(q, k, v, [33, 40], torch.float32, layout="bshd", softcap=3.0, scale=0.5, num_splits=2)
+
+
+def test_float16_padded_head_dim(device):
+    q, k, v = _inputs(2, 4, 2, 1, 48, 80, torch.float16, device)
+    _check(q, k, v, [48, 30], torch.float16, num_splits=2)
+
+
+def test_empty_sequence_and_length_past_the_cache(device):
+    """Length 0: zero output; a length past the cache is clamped to it (no read out of bounds)."""
+    q, k, v = _inputs(2, 2, 1, 1, 20, 16, torch.float32, device)
+    out = _check(q, k, v, [0, 20], torch.float32, num_splits=2)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    past = ops.decode_attention(q, k, v, torch.tensor([0, 25], dtype=torch.int32, device=device), num_splits=2)
+    assert torch.equal(past, out)
+
+
+def test_matches_attention_on_the_cache(device):
+    """One sequence, full cache: decode equals causal attention of the last Tq queries."""
+    q, k, v = _inputs(1, 4, 2, 2, 37, 16, torch.float32, device)
+    out = ops.decode_attention(q, k, v, torch.tensor([37], dtype=torch.int32, device=device), num_splits=3)
+    assert_close(out, ops.attention(q, k, v, causal=True), torch.float32)
+
+
+def test_torch_compile_fullgraph_and_opcheck(device):
+    from onepass.ops.decode_attention import _decode_attention
+
+    q, k, v = _inputs(2, 4, 2, 1, 24, 16, torch.float32, device)
+    seqlens = torch.tensor([24, 9], dtype=torch.int32, device=device)
+    fn = torch.compile(lambda q, k, v: ops.decode_attention(q, k, v, seqlens, num_splits=2) * 2, fullgraph=True,
+                       backend="aot_eager" if device == "cpu" else "inductor")
+    assert_close(fn(q, k, v), 2 * ops.decode_attention(q, k, v, seqlens, num_splits=2), torch.float32)
+    torch.library.opcheck(_decode_attention, (q, k, v, seqlens, 0.25, 0.0, "bhsd", 2))
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda q, k, v, s: ops.decode_attention(q, k.half(), v, s), TypeError, "dtype"),
+    (lambda q, k, v, s: ops.decode_attention(q, torch.cat([k, k], 1), torch.cat([v, v], 1), s), ValueError,
+     "multiple"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v[:, :, :5], s), ValueError, "k_cache and v_cache"),
+    (lambda q, k, v, s: ops.decode_attention(q[0], k, v, s), ValueError, "4-D"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s.long()), ValueError, "int32"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s[:1]), ValueError, "cache_seqlens"),
+    (lambda q, k, v, s: ops.decode_attention(q, k[..., :8], v[..., :8], s), ValueError, "head dim"),
+    (lambda q, k, v, s: ops.decode_attention(q.expand(2, 6, 64, 16), k[:, :1], v[:, :1], s), ValueError,
+     "at most"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, layout="bsd"), ValueError, "layout"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, softcap=0.0), ValueError, "softcap"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, num_splits=0), ValueError, "num_splits"),
+])
+def test_bad_input_raises(call, error, words, device):
+    q, k, v = _inputs(2, 6, 2, 1, 32, 16, torch.float32, device)
+    with pytest.raises(error, match=words):
+        call(q, k, v, torch.tensor([32, 5], dtype=torch.int32, device=device))
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, cache_len", [(1, 131072), (8, 32768)])
+@pytest.mark.parametrize("n_tokens", [1, 4])
+def test_gpu_bf16_real_sizes(batch, cache_len, n_tokens):
+    q, k, v = _inputs(batch, 32, 8, n_tokens, cache_len, 128, torch.bfloat16, "cuda")
+    lens = torch.randint(1, cache_len + 1, (batch,)).tolist()
+    lens[0] = cache_len
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = ops.decode_attention(q, k, v, seqlens)
+    # the float64 reference one sequence at a time (its repeat_kv copies of a 128k cache are large)
+    for b, n in enumerate(lens):
+        ref = reference.attention(q[b:b + 1].double(), k[b:b + 1, :, :n].double(), v[b:b + 1, :, :n].double(),
+                                  causal=True)
+        assert_close(out[b:b + 1], ref, torch.bfloat16, f"sequence {b} (length {n})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_gpu_bf16_head_dims(head_dim):
+    q, k, v = _inputs(4, 16, 4, 1, 5000, head_dim, torch.bfloat16, "cuda", layout="bshd")
+    _check(q, k, v, [5000, 1, 4097, 300], torch.bfloat16, layout="bshd")
