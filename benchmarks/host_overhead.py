@@ -53,6 +53,12 @@ def main():
     dys = dy[:64]
     _, _, mean, rstd = norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype)
 
+    _, _, big_mean, big_rstd = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True, x.dtype)
+
+    def manual():
+        y, _, m, r = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True, x.dtype)
+        norm._norm_bwd_launch(dy, None, x.detach(), ws, False, m, r, 0.0, 0, True, x.dtype, False)
+
     def step(fn):
         def run():
             x.grad = w.grad = None
@@ -70,10 +76,20 @@ def main():
         "fwd+bwd step, public op": step(norm.rms_norm),
         "fwd+bwd step, plain autograd.Function": step(_Plain.apply),
         "fwd+bwd step, F.rms_norm": step(lambda x, w: torch.nn.functional.rms_norm(x, (N,), w, 1e-6)),
+        "fwd launcher (16384 rows)": lambda: norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True,
+                                                                   x.dtype),
+        "bwd launcher (16384 rows)": lambda: norm._norm_bwd_launch(dy, None, x.detach(), ws, False, big_mean,
+                                                                   big_rstd, 0.0, 0, True, x.dtype, False),
+        "fwd+bwd launchers, no autograd (16384 rows)": manual,
     }
     for name, fn in rows.items():
         host, total = host_us(fn)
-        print(f"{name:<42} host {host:7.1f} us   with GPU {total:7.1f} us")
+        print(f"{name:<44} host {host:7.1f} us   with GPU {total:7.1f} us")
+    torch.cuda.set_sync_debug_mode("warn")  # names any call that synchronizes with the GPU
+    for name in ("fwd+bwd step, public op", "bwd launcher (16384 rows)"):
+        print("sync check:", name)
+        rows[name]()
+    torch.cuda.set_sync_debug_mode(0)
 
 
 if __name__ == "__main__":
