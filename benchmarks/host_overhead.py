@@ -29,6 +29,18 @@ def host_us(fn, n=200):
     return host, (time.perf_counter() - t) / n * 1e6
 
 
+class _Empty(torch.autograd.Function):
+    """Autograd alone: a backward that launches nothing."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
 class _Plain(torch.autograd.Function):
     """The same launchers under a plain autograd.Function, for comparison."""
 
@@ -59,6 +71,13 @@ def main():
         y, _, m, r = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True, x.dtype)
         norm._norm_bwd_launch(dy, None, x.detach(), ws, False, m, r, 0.0, 0, True, x.dtype, False)
 
+    def in_thread(fn):
+        import threading
+
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+
     def step(fn):
         def run():
             x.grad = w.grad = None
@@ -81,7 +100,15 @@ def main():
         "bwd launcher (16384 rows)": lambda: norm._norm_bwd_launch(dy, None, x.detach(), ws, False, big_mean,
                                                                    big_rstd, 0.0, 0, True, x.dtype, False),
         "fwd+bwd launchers, no autograd (16384 rows)": manual,
+        "fwd+bwd launchers in a second thread": lambda: in_thread(manual),
+        "fwd+bwd step, autograd.Function launching nothing": step(_Empty.apply),
     }
+    try:
+        from liger_kernel.transformers.functional import liger_rms_norm
+
+        rows["fwd+bwd step, liger"] = step(lambda x, w: liger_rms_norm(x, w, 1e-6))
+    except ImportError:
+        pass
     for name, fn in rows.items():
         host, total = host_us(fn)
         print(f"{name:<44} host {host:7.1f} us   with GPU {total:7.1f} us")
