@@ -50,24 +50,54 @@ STYLES = ("half", "interleaved")
 
 
 @triton.jit
-def _rope_heads(x_ptr, o_ptr, x_head_stride, o_head_stride, h0, n_heads, first, second, pair_ok,
-                c1, c2, s1, s2, ROT: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_REST: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_REST: tl.constexpr):
+def _load_pairs(rows, rows_ok, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_HALF: tl.constexpr):
+    """(first, second) elements of each rotated pair of BLOCK_R rows, [BLOCK_R, BLOCK_HALF] in fp32.
+
+    Interleaved pairs are loaded as one contiguous row and split in registers: strided
+    loads of the even and odd elements compile to scalar 2-byte loads on sm_90 (PTX).
+    """
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        x = tl.load(rows + d, mask=rows_ok & (d < ROT), other=0.0).to(tl.float32)
+        return tl.split(tl.reshape(x, [BLOCK_R, BLOCK_HALF, 2]))
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = rows_ok & (i < ROT // 2)
+    return (tl.load(rows + i, mask=ok, other=0.0).to(tl.float32),
+            tl.load(rows + i + ROT // 2, mask=ok, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _store_pairs(rows, rows_ok, o1, o2, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr):
+    """The inverse of _load_pairs: write (first, second) back to their places, in the output's dtype."""
+    dtype = rows.dtype.element_ty
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        o = tl.reshape(tl.join(o1, o2), [BLOCK_R, 2 * BLOCK_HALF])
+        tl.store(rows + d, o.to(dtype), mask=rows_ok & (d < ROT))
+    else:
+        i = tl.arange(0, BLOCK_HALF)[None, :]
+        ok = rows_ok & (i < ROT // 2)
+        tl.store(rows + i, o1.to(dtype), mask=ok)
+        tl.store(rows + i + ROT // 2, o2.to(dtype), mask=ok)
+
+
+@triton.jit
+def _rope_heads(x_ptr, o_ptr, x_head_stride, o_head_stride, h0, n_heads, c1, c2, s1, s2,
+                ROT: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """Rotate BLOCK_H heads of one token (x_ptr, o_ptr point at the token's head 0)."""
     heads = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
     x_rows = x_ptr + (heads * x_head_stride)[:, None]
     o_rows = o_ptr + (heads * o_head_stride)[:, None]
-    ok = (heads < n_heads)[:, None] & pair_ok[None, :]
-    x1 = tl.load(x_rows + first[None, :], mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x_rows + second[None, :], mask=ok, other=0.0).to(tl.float32)
-    o1 = x1 * c1[None, :] - x2 * s1[None, :]
-    o2 = x2 * c2[None, :] + x1 * s2[None, :]
-    tl.store(o_rows + first[None, :], o1.to(o_ptr.dtype.element_ty), mask=ok)
-    tl.store(o_rows + second[None, :], o2.to(o_ptr.dtype.element_ty), mask=ok)
+    heads_ok = (heads < n_heads)[:, None]
+    x1, x2 = _load_pairs(x_rows, heads_ok, ROT, INTERLEAVED, BLOCK_H, BLOCK_HALF)
+    _store_pairs(o_rows, heads_ok, x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, ROT, INTERLEAVED, BLOCK_H, BLOCK_HALF)
     if COPY_REST:  # out of place with partial rotary: the dims past ROT pass through
-        rest = ROT + tl.arange(0, BLOCK_REST)
-        rest_ok = (heads < n_heads)[:, None] & (rest < HEAD_DIM)[None, :]
-        tl.store(o_rows + rest[None, :], tl.load(x_rows + rest[None, :], mask=rest_ok), mask=rest_ok)
+        rest = ROT + tl.arange(0, BLOCK_REST)[None, :]
+        rest_ok = heads_ok & (rest < HEAD_DIM)
+        tl.store(o_rows + rest, tl.load(x_rows + rest, mask=rest_ok), mask=rest_ok)
 
 
 @triton.jit
@@ -84,33 +114,26 @@ def _rope_kernel(
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     b, s = token // seq, token % seq
-    i = tl.arange(0, BLOCK_HALF)
-    pair_ok = i < ROT // 2
-    if INTERLEAVED:
-        first, second = 2 * i, 2 * i + 1
-    else:
-        first, second = i, i + ROT // 2
     # the token's table row: gathered through position_ids, or its own (batch, seq) row
     if HAS_POS:
         row = tl.load(pos_ptr + b * pos_batch_stride + s * pos_seq_stride).to(tl.int64)
-        pair_ok = pair_ok & (row >= 0) & (row < table_rows)  # never read outside the table
+        row_ok = (row >= 0) & (row < table_rows)  # never read outside the table
         table = row * cos_row_stride
     else:
+        row_ok = True
         table = b * cos_batch_stride + s * cos_row_stride
-    c1 = tl.load(cos_ptr + table + first, mask=pair_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + second, mask=pair_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + table + first, mask=pair_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + second, mask=pair_ok, other=0.0).to(tl.float32)
+    c1, c2 = _load_pairs(cos_ptr + table, row_ok, ROT, INTERLEAVED, 1, BLOCK_HALF)
+    s1, s2 = _load_pairs(sin_ptr + table, row_ok, ROT, INTERLEAVED, 1, BLOCK_HALF)
     if BACKWARD:
         s1, s2 = -s2, -s1
     if block < q_head_blocks:
         _rope_heads(q_ptr + b * q_batch_stride + s * q_seq_stride, qo_ptr + b * qo_batch_stride + s * qo_seq_stride,
-                    q_head_stride, qo_head_stride, block * BLOCK_H, n_q_heads, first, second, pair_ok,
-                    c1, c2, s1, s2, ROT, HEAD_DIM, COPY_REST, BLOCK_H, BLOCK_REST)
+                    q_head_stride, qo_head_stride, block * BLOCK_H, n_q_heads, c1, c2, s1, s2,
+                    ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_HALF, BLOCK_REST)
     else:
         _rope_heads(k_ptr + b * k_batch_stride + s * k_seq_stride, ko_ptr + b * ko_batch_stride + s * ko_seq_stride,
-                    k_head_stride, ko_head_stride, (block - q_head_blocks) * BLOCK_H, n_k_heads, first, second,
-                    pair_ok, c1, c2, s1, s2, ROT, HEAD_DIM, COPY_REST, BLOCK_H, BLOCK_REST)
+                    k_head_stride, ko_head_stride, (block - q_head_blocks) * BLOCK_H, n_k_heads, c1, c2, s1, s2,
+                    ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_HALF, BLOCK_REST)
 
 
 # ---------------------------------------------------------------------------- launchers
