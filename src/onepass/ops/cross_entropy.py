@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from onepass import reference
 from onepass.ops._launch import as_rows, check_float, check_same_device, flat, num_programs_for, use_triton
@@ -328,8 +329,9 @@ def _(grad, dloss):
 
 def scaled_grad(grad: Tensor, dloss: Tensor) -> Tensor:
     """The saved forward gradient times the upstream one: in place in eager (free when the
-    upstream gradient is 1); a plain multiply under torch.compile, whose graph owns memory."""
-    if torch.compiler.is_compiling():
+    upstream gradient is 1); a plain multiply while traced (torch.compile, AOT), whose
+    graph owns memory and may not mutate a saved forward output."""
+    if torch.compiler.is_compiling() or is_fake(grad):
         return grad * (dloss.unsqueeze(-1) if dloss.dim() else dloss)
     _scale_grad_(grad, dloss)
     return grad

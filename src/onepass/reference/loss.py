@@ -20,7 +20,7 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
     count of non-ignored targets, as F.cross_entropy does (label smoothing included).
     """
     x = _softcapped(logits, softcap)
-    t = target.reshape(-1)
+    t = target.reshape(-1).long()
     # log_softmax reads and writes [rows, V]; nll and smoothing read it again
     loss = F.cross_entropy(x, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
     valid = t != ignore_index
