@@ -211,6 +211,12 @@ def _bad_calls(device="cpu"):
     def tables(s=5, r=16, b=2):
         return _hf_tables(b, s, r, device)
 
+    def table():  # a [max_positions = 5, R] table for position_ids
+        return tuple(t[0] for t in tables())
+
+    def ids(t):
+        return t.to(device)
+
     return [
         (lambda q, k: ops.rope(q, k, *tables(), layout="sbhd"), ValueError, "layout"),
         (lambda q, k: ops.rope(q, k, *tables(), style="gptj"), ValueError, "style"),
@@ -222,13 +228,10 @@ def _bad_calls(device="cpu"):
         (lambda q, k: ops.rope(q, k, *tables(r=18)), ValueError, "cos"),
         (lambda q, k: ops.rope(q, k, tables()[0][..., :7], tables()[1][..., :7]), ValueError, "even"),
         (lambda q, k: ops.rope(q, k, tables()[0], tables()[1][..., :8]), ValueError, "sin"),
-        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.zeros(2, 5, device=q.device)), TypeError, "position_ids"),
-        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.zeros(2, 4, dtype=torch.long, device=q.device)),
-         ValueError, "position_ids"),
-        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.full((2, 5), 5, device=q.device)), ValueError,
-         "position_ids"),
-        (lambda q, k: ops.rope(q, k, tables()[0][0], tables()[1][0], torch.full((2, 5), -1, device=q.device)), ValueError,
-         "position_ids"),
+        (lambda q, k: ops.rope(q, k, *table(), ids(torch.zeros(2, 5))), TypeError, "position_ids"),
+        (lambda q, k: ops.rope(q, k, *table(), ids(torch.zeros(2, 4, dtype=torch.long))), ValueError, "position_ids"),
+        (lambda q, k: ops.rope(q, k, *table(), ids(torch.full((2, 5), 5))), ValueError, "position_ids"),
+        (lambda q, k: ops.rope(q, k, *table(), ids(torch.full((2, 5), -1))), ValueError, "position_ids"),
         (lambda q, k: ops.rope(q, k, tables()[0].requires_grad_(True), tables()[1]), ValueError, "cos/sin"),
         (lambda q, k: ops.rope(q, k.to("meta"), *tables()), ValueError, "device"),
     ]

@@ -133,7 +133,7 @@ def _softmax_bwd_kernel(
 ):
     # y, dy and dx are contiguous [n_rows, n_cols]; y is 0 wherever the forward masked
     # (the few hidden columns loaded past the visible ones included), so dx is 0 there.
-    rows, q, vis, loaded = _rows_and_visible(n_rows, n_cols, seq_q, diag, CAUSAL, BLOCK_M)
+    rows, _, _, loaded = _rows_and_visible(n_rows, n_cols, seq_q, diag, CAUSAL, BLOCK_M)
     off = (rows * n_cols)[:, None]
     in_rows = (rows < n_rows)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
