@@ -133,12 +133,12 @@ def _uses(tensors: list[torch.Tensor]) -> list[tuple[int, int, torch.Tensor]]:
 def _kind(packet_name: str, func) -> str:
     if func.overloadpacket in flop_registry:
         return "matmul"
+    if packet_name in _DATA_MOVEMENT:
+        return "copy"
     if torch.Tag.pointwise in func.tags:
         return "pointwise"
     if packet_name in _REDUCTIONS:
         return "reduction"
-    if packet_name in _DATA_MOVEMENT:
-        return "copy"
     return "other"
 
 
@@ -273,6 +273,8 @@ class _Attention(torch.autograd.Function):
         recorder.suppressed += 1
         try:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+            if out.dim() == 4:  # the layout flash attention writes, (batch, seq, heads, dim) in memory
+                out = out.transpose(1, 2).contiguous().transpose(1, 2)
         finally:
             recorder.suppressed -= 1
         flops = sdpa_flop_count(q.shape, k.shape, v.shape) * (0.5 if kwargs.get("is_causal") else 1.0)
@@ -293,6 +295,8 @@ class _Attention(torch.autograd.Function):
             with torch.enable_grad():
                 o = F.scaled_dot_product_attention(*inputs, attn_mask=mask, **kwargs)
                 grads = torch.autograd.grad(o, inputs, dout)
+            # flash attention writes each gradient in the layout of its input
+            grads = [torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), grads)]
         finally:
             recorder.suppressed -= 1
         flops = sdpa_backward_flop_count(dout.shape, q.shape, k.shape, v.shape)
