@@ -33,7 +33,16 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import as_rows, check_float, check_same_device, check_same_shape, check_vector, use_triton
+from onepass.ops._launch import (
+    as_rows,
+    check_float,
+    check_same_device,
+    check_same_shape,
+    check_vector,
+    eager_autograd,
+    registered,
+    use_triton,
+)
 
 # Activation ids, compile-time constants of the kernels.
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
@@ -224,11 +233,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, up, bias = ctx.saved_tensors
-    dx, du, db = _act_bwd(dy, x, up, bias, ctx.act)
+    dx, du, db = registered(_act_bwd, _act_bwd_launch, x)(dy, x, up, bias, ctx.act)
     return dx, (du if up is not None else None), (db if bias is not None else None), None
 
 
 _act_fwd.register_autograd(_backward, setup_context=_setup_context)
+_act_fwd_eager = eager_autograd(_act_fwd_launch, _setup_context, _backward)
 
 
 # ---------------------------------------------------------------- public functions
@@ -249,7 +259,7 @@ def _gated(gate: Tensor, up: Tensor, act: int, run_reference) -> Tensor:
     check_same_device(gate=gate, up=up)
     if not use_triton(gate):
         return run_reference()
-    return _act_fwd(gate, up, None, act)
+    return registered(_act_fwd, _act_fwd_eager, gate)(gate, up, None, act)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -272,4 +282,4 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
     check_same_device(x=x, bias=bias)
     if not use_triton(x):
         return reference.bias_gelu(x, bias, approximate)
-    return _act_fwd(x, None, bias, act)
+    return registered(_act_fwd, _act_fwd_eager, x)(x, None, bias, act)

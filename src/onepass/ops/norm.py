@@ -45,7 +45,9 @@ from onepass.ops._launch import (
     check_same_device,
     check_same_shape,
     check_vector,
+    eager_autograd,
     num_programs_for,
+    registered,
     row_settings,
     use_triton,
 )
@@ -388,7 +390,7 @@ def _backward(ctx, dy, dh_out, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
     if dy is None:  # only h was used downstream
         dy = torch.zeros_like(h)
-    d_h, dx, dw, db = _norm_bwd(dy, dh_out if ctx.has_residual else None, h, weight, ctx.has_bias, mean, rstd,
+    d_h, dx, dw, db = registered(_norm_bwd, _norm_bwd_launch, h)(dy, dh_out if ctx.has_residual else None, h, weight, ctx.has_bias, mean, rstd,
                                 ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual)
     dw = dw if weight is not None else None
     db = db.to(ctx.bias_dtype) if ctx.has_bias else None
@@ -399,6 +401,7 @@ def _backward(ctx, dy, dh_out, _dmean, _drstd):
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_norm_fwd_eager = eager_autograd(_norm_fwd_launch, _setup_context, _backward)
 
 
 # ---------------------------------------------------------------- public functions
@@ -433,7 +436,7 @@ def _norm(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
         if is_rms:
             return reference.add_rms_norm(x, residual, weight, eps, dropout_p, out_dtype=out_dtype)
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, out_dtype=out_dtype)
-    y, h, _, _ = _norm_fwd(x, residual, weight, bias, float(eps), float(dropout_p), _seed(seed) if dropout_p else 0,
+    y, h, _, _ = registered(_norm_fwd, _norm_fwd_eager, x)(x, residual, weight, bias, float(eps), float(dropout_p), _seed(seed) if dropout_p else 0,
                            is_rms, out_dtype)
     return y, (h if residual is not None else None)
 
