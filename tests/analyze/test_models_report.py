@@ -2,6 +2,7 @@
 
 import json
 import os
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def test_report_files(tmp_path):
     assert html.startswith("<!DOCTYPE html>") and "<svg" in html and html.rstrip().endswith("</html>")
     md = open(tmp_path / "rep" / "report.md").read()
     assert "![roofline](roofline.svg)" in md and "| region |" in md
-    assert open(tmp_path / "rep" / "roofline.svg").read().startswith("<svg")
+    svg = ElementTree.fromstring(open(tmp_path / "rep" / "roofline.svg").read())  # well-formed XML
+    assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}circle")) > 0
     (single,) = report.write(str(tmp_path / "one.json"))
     assert json.loads(open(single).read())["title"] == data["title"]
     assert "Fusion opportunities" in report.table()
