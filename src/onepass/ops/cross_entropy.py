@@ -366,7 +366,9 @@ class _InplaceGradCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred, all_rows):
         loss, lse, pred = _cross_entropy_fwd_inplace(logits, target, ignore_index, reduction, label_smoothing, z_loss,
                                                      softcap, return_pred, all_rows)
-        ctx.save_for_backward(logits)  # saved after the write: it now holds the gradient
+        # saved after the write (it now holds the gradient), as a detached alias so that
+        # autograd may hand the storage to a leaf's .grad instead of cloning it
+        ctx.save_for_backward(logits.detach())
         ctx.mark_non_differentiable(lse, pred)
         return loss, lse, pred
 

@@ -1,0 +1,96 @@
+"""Cross-entropy over a Llama 3 vocabulary (8192 tokens x 128256, bf16), alone and with its LM head (hidden 2048).
+
+A loss's backward starts from ``loss.backward()``, an upstream gradient of exactly 1,
+so the fwd+bwd steps here do that instead of the harness's random upstream gradient
+(onepass and Liger both skip the gradient's rescaling when it is 1; a random factor
+would add one read and one write of the [tokens, V] gradient to both).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from onepass import ops
+from onepass.bench.case import Case, Thunk, compiled, fwd, liger, variants
+
+TOKENS, HIDDEN, VOCAB, DTYPE = 8192, 2048, 128256, torch.bfloat16
+
+
+def loss_step(fn, *args, **kwargs) -> Thunk:
+    """One forward and ``loss.backward()``; the leaves' gradients are dropped first."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn(*args, **kwargs).backward()
+
+    return step
+
+
+def hf_cross_entropy(logits, target):
+    # Hugging Face's ForCausalLMLoss: upcast (read 2 bytes, write 4 an element), then
+    # log_softmax and nll in float32; backward writes float32 grads and casts them back
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target.view(-1), ignore_index=-100)
+
+
+def hf_linear_cross_entropy(hidden, weight, target):
+    return hf_cross_entropy(F.linear(hidden, weight), target)  # the full [tokens, V] logits exist
+
+
+def three_matmuls(hidden, weight):
+    """The floor of the fused LM-head loss: its three GEMMs alone, nothing else."""
+    logits = hidden @ weight.t()
+    return logits @ weight, logits.t() @ hidden
+
+
+def _targets():
+    return torch.randint(0, VOCAB, (TOKENS,), device="cuda")
+
+
+def _make_cross_entropy(mode: str):
+    def make():
+        grad = mode == "fwd+bwd"
+        logits = torch.randn(TOKENS, VOCAB, device="cuda", dtype=DTYPE, requires_grad=grad)
+        target = _targets()
+        step = loss_step if grad else fwd
+        liger_ce = liger("liger_kernel.transformers.functional", "liger_cross_entropy")
+        return variants(
+            onepass=step(ops.cross_entropy, logits, target),
+            onepass_inplace_grad=step(ops.cross_entropy, logits, target, inplace_grad=True) if grad else None,
+            eager=step(hf_cross_entropy, logits, target),
+            torch_compile=step(compiled(hf_cross_entropy), logits, target),
+            # last: Liger writes its gradient over the logits it is given
+            liger=step(liger_ce, logits, target) if liger_ce and grad else None,
+        )
+
+    return make
+
+
+def _make_linear_cross_entropy():
+    hidden = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=DTYPE, requires_grad=True)
+    weight = (torch.randn(VOCAB, HIDDEN, device="cuda") / HIDDEN**0.5).to(DTYPE).requires_grad_(True)
+    target = _targets()
+    liger_flce = liger("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
+    return variants(
+        onepass=loss_step(ops.linear_cross_entropy, hidden, weight, target),
+        onepass_bf16_accum=loss_step(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=DTYPE),
+        three_matmuls=fwd(three_matmuls, hidden.detach(), weight.detach()),
+        eager=loss_step(hf_linear_cross_entropy, hidden, weight, target),
+        torch_compile=loss_step(compiled(hf_linear_cross_entropy), hidden, weight, target),
+        liger=loss_step(liger_flce, hidden, weight, target) if liger_flce else None,
+    )
+
+
+def cases() -> list[Case]:
+    # minimum bytes, as in ops/cross_entropy.py: read the logits once, write their gradient once
+    logits_bytes = TOKENS * VOCAB * DTYPE.itemsize
+    return [
+        Case("cross_entropy", "fwd+bwd", f"{TOKENS}x{VOCAB} bf16", _make_cross_entropy("fwd+bwd"),
+             bytes=2 * logits_bytes, measure_memory=True),
+        Case("cross_entropy", "fwd", f"{TOKENS}x{VOCAB} bf16", _make_cross_entropy("fwd"), bytes=logits_bytes),
+        # the three GEMMs (logits, d hidden, d weight): 6 T H V flops
+        Case("linear_cross_entropy", "fwd+bwd", f"{TOKENS}x{HIDDEN}x{VOCAB} bf16", _make_linear_cross_entropy,
+             flops=6 * TOKENS * HIDDEN * VOCAB, measure_memory=True),
+    ]
