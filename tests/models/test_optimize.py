@@ -70,22 +70,27 @@ def test_logits_loss_and_gradients_match(family, device):
 def test_training_curve_matches(device):
     """30 AdamW steps on the shipped corpus (bytes as tokens): the loss curves agree within
     1e-3 absolute at every step (fp32; rounding differences compound through the updates),
-    and the model learns (the last loss is well below the first)."""
+    and the model learns (the last loss is well below the first).
+
+    On the CPU the rope kernel stays off here: the interpreter runs it one program per
+    token (~1 s a step at this size); its outputs and gradients are checked per family above.
+    """
     data = torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
     g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, len(data) - 33, (30, 4), generator=g)
+    starts = torch.randint(0, len(data) - 9, (30, 2), generator=g)
+    switches = {"rope": False} if device == "cpu" else {}
     curves = []
     for optimized in (False, True):
         model = tiny.build("llama").to(device)
         if optimized:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                onepass.optimize(model)
+                onepass.optimize(model, **switches)
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         curve = []
         for step in range(30):
-            ids = torch.stack([data[s:s + 32] for s in starts[step]]).to(device)
+            ids = torch.stack([data[s:s + 8] for s in starts[step]]).to(device)
             loss = model(ids, labels=ids).loss
             loss.backward()
             opt.step()
