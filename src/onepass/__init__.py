@@ -10,7 +10,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_LAZY = {"ops": "onepass.ops", "reference": "onepass.reference"}
+_LAZY = {"ops": "onepass.ops", "reference": "onepass.reference", "analyze": "onepass.analyze"}
 # public functions -> their module (onepass.patching: a module named optimize would shadow the function)
 _LAZY_FUNCTIONS = dict.fromkeys(("optimize", "undo", "optimize_report", "reference_mode"), "onepass.patching")
 
@@ -18,6 +18,8 @@ __all__ = ["__version__", *_LAZY, *_LAZY_FUNCTIONS]
 
 
 def __getattr__(name):
+    if name == "analyze":  # the function, not its package
+        return importlib.import_module("onepass.analyze").analyze
     if name in _LAZY:
         return importlib.import_module(_LAZY[name])
     if name in _LAZY_FUNCTIONS:

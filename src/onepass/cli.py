@@ -4,6 +4,7 @@
                                 every op's self-check through Triton's interpreter
     onepass bench ops [...]     the op benchmarks (GPU)
     onepass selfcheck           every op against its float64 reference, and its byte budget
+    onepass analyze [...]       where a model's HBM bytes and launches go (no GPU needed)
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 
 
 def _interpret_without_gpu() -> str:
-    """Pick the device; without a GPU, turn on Triton's interpreter before onepass imports Triton."""
+    """Pick the device; without a GPU, turn on Triton's interpreter. Triton reads the switch
+    when it is first imported, so this runs before any command imports anything else."""
     import torch
 
     if torch.cuda.is_available():
@@ -39,13 +41,22 @@ def _bench_ops(args) -> int:
     return 0
 
 
+def _analyze(args) -> int:
+    from onepass.analyze.cli import run
+
+    return run(args)
+
+
 def _run(args) -> int:
     import torch
 
     if torch.cuda.is_available():
         return _bench_ops(argparse.Namespace(suite=None, out="benchmarks/results", only=None))
-    print("no GPU here: running every op's self-check instead of the benchmarks\n")
-    return _selfcheck(args)
+    print("no GPU here: every op's self-check instead of the benchmarks, then the analyzer on llama-1b\n")
+    status = _selfcheck(args)
+    print()
+    analyze = build_parser().parse_args(["analyze", "--model", "llama-1b", "--quiet"])
+    return status or _analyze(analyze)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,10 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ops.add_argument("--only", help="keep only the cases whose op name contains this")
     bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_ops.set_defaults(fn=_bench_ops)
+    analyze = sub.add_parser("analyze", help="where a model's HBM bytes and launches go, and what fusing saves")
+    from onepass.analyze.cli import add_arguments
+
+    add_arguments(analyze)
+    analyze.set_defaults(fn=_analyze)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    _interpret_without_gpu()
     args = build_parser().parse_args(argv)
     return args.fn(args)
 
