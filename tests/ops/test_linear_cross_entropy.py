@@ -205,6 +205,6 @@ def test_gpu_peak_memory(accum_dtype):
     chunk = chunk_tokens(tokens, accum_dtype)
     grads = 2 * tokens * hidden + 2 * vocab * hidden  # dh, dw (bf16)
     budget = grads + chunk * vocab * 2 + (acc_bytes * vocab * hidden if accum_dtype == torch.float32 else 0)
-    budget = int(budget * 1.02) + 2**24  # per-token vectors, cuBLAS workspace
+    budget = int(budget * 1.02) + 2**26  # per-token vectors, cuBLAS workspace
     assert extra <= budget, f"{extra / 2**30:.3f} GiB above the inputs, budget {budget / 2**30:.3f} GiB"
     assert torch.isfinite(loss) and dh.isfinite().all() and dw.isfinite().all()

@@ -63,14 +63,15 @@ def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, chunk_size: int | None =
     return max(1, min(even, n_tokens))
 
 
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b, accumulated in acc's dtype."""
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, beta: int) -> None:
+    """acc = beta * acc + a @ b in acc's dtype (beta = 0: acc is not read, so no memset first)."""
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # 16-bit operands, fp32 accumulator and output
+        # 16-bit operands, fp32 accumulator and output
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # the CPU has no mixed-dtype GEMM
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)  # the CPU has no mixed-dtype GEMM
 
 
 def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, label_smoothing, z_loss, softcap,
@@ -89,7 +90,9 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
     pred = torch.empty(n_tokens if return_pred else 0, dtype=torch.int64, device=dev)
     any_grad = need_dh or need_dw or need_db
     d_hidden = torch.empty((n_tokens, n_hidden), dtype=hidden.dtype, device=dev) if need_dh else None
-    d_weight = torch.zeros((n_vocab, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
+    # the first chunk's GEMM overwrites the accumulator (beta = 0): zero-filled only if there is no chunk
+    alloc = torch.empty if n_tokens else torch.zeros
+    d_weight = alloc((n_vocab, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
     d_bias = torch.zeros(n_vocab, dtype=torch.float32, device=dev) if need_db else None
     scale = flat(dloss) if dloss is not None else torch.ones((), dtype=torch.float32, device=dev)
     chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else weight.dtype, chunk_size)
@@ -108,7 +111,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
         if need_dh:
             torch.mm(z, weight, out=d_hidden[start:end])
         if need_dw:
-            _accumulate_mm(d_weight, z.t(), h_c)
+            _accumulate_mm(d_weight, z.t(), h_c, beta=int(start > 0))
         if need_db:
             d_bias += z.sum(0, dtype=torch.float32)
     loss = reduce_loss(loss_rows, counts, reduction, target.shape, hidden.dtype)
