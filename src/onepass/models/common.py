@@ -210,8 +210,11 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and dropout == 0.0 and query.shape[2] == key.shape[2]:
-        out = ops.attention(query, key, value, causal=causal, scale=scaling, window=sliding_window, softcap=softcap)
-        return out.transpose(1, 2), None
+        # HF's [b, h, s, d] are transposed views of the projections' [b, s, h, d]: hand the
+        # kernel that layout, and its [b, s, h, d] output is what HF expects back.
+        out = ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
+                            scale=scaling, window=sliding_window, softcap=softcap, layout="bshd")
+        return out, None
     if softcap is not None:
         return _eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 softcap=softcap)
