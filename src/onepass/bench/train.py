@@ -1,0 +1,232 @@
+"""``onepass bench train``: one end-to-end training step of a whole model, variant by variant.
+
+    run(model="llama-1b", batch=4, seq=2048)
+
+Each variant trains a fresh model (random weights, bf16, ``AdamW(fused=True)``) on the
+same random tokens with labels: eager Hugging Face (sdpa attention), ``torch.compile`` of
+it, Liger-Kernel's patch (when importable), ``onepass.optimize``, and onepass +
+``torch.compile``. After warm-up (compilation, autotuning) it times each step with CUDA
+events and reports the median tokens/s and the peak memory allocated during the timed
+steps (weights, gradients and optimizer state included, as ``max_memory_allocated``).
+
+The floor: the step's matmul FLOPs at the bf16 matmul rate measured in this run, plus its
+minimum memory-bound bytes at the copy bandwidth measured in this run (see
+``step_floor``); each variant is reported as a fraction of the floor's tokens/s.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile")
+
+# Timed steps after warm-up (the compiled variants compile during warm-up).
+WARMUP_STEPS = 3
+TIMED_STEPS = 10
+
+
+@dataclass
+class Result:
+    variant: str
+    tokens_per_s: float | None = None
+    step_ms: float | None = None
+    peak_gib: float | None = None
+    frac_floor: float | None = None
+    loss: float | None = None
+    error: str | None = None
+    note: str | None = None
+
+
+# ------------------------------------------------------------------------- the floor
+
+
+def step_floor(config, batch: int, seq: int, n_params: int) -> tuple[float, float]:
+    """(matmul FLOPs, minimum memory-bound bytes) of one training step, bf16.
+
+    FLOPs: 6 per linear weight per token (forward 2, backward 4; the LM head counted once
+    even when tied), plus causal attention, 7 b s^2 H d per layer (forward 2, backward 5
+    of the full 4 b s^2 H d, halved by the mask).
+
+    Bytes (2 a bf16 element), what no fusion can avoid: the optimizer reads the parameter,
+    gradient and both moments and writes the parameter and moments (7 P), the forward
+    and backward read every weight (2 P) and write the gradient (P); per layer and token
+    the activations that must cross HBM once between matmuls: the two add+norm passes
+    (4 h each way), rope (2 (q+k) each way), attention's q, k, v, o and their gradients
+    (read q, k, v and write o, and as much again backward), the gated MLP (3 i forward, 5 i backward).
+    """
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    inter, vocab = config.intermediate_size, config.vocab_size
+    tokens = batch * seq
+    linear = layers * (h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter) + vocab * h
+    flops = 6 * linear * tokens + 7 * batch * seq * seq * heads * d * layers
+    q, kv = heads * d, kv_heads * d
+    per_token_layer = 2 * (4 * h) * 2 + 2 * 2 * (q + kv) + 2 * (q + 2 * kv) + 2 * q + 8 * inter
+    elem = 2
+    bytes_ = elem * (10 * n_params + tokens * layers * per_token_layer)
+    return float(flops), float(bytes_)
+
+
+# ------------------------------------------------------------------------- variants
+
+
+def _liger_patch() -> Callable | None:
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        return None
+    return _apply_liger_kernel_to_instance
+
+
+def _prepare(variant: str, model: torch.nn.Module):
+    """The callable that runs the forward for ``variant`` (the model patched as needed)."""
+    import onepass
+
+    if variant == "eager":
+        return model
+    if variant == "torch.compile":
+        return torch.compile(model)
+    if variant == "liger":
+        patch = _liger_patch()
+        if patch is None:
+            raise ImportError("liger_kernel is not importable here")
+        patch(model=model)
+        return model
+    onepass.optimize(model)
+    return torch.compile(model) if variant == "onepass+torch.compile" else model
+
+
+def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tensor, log) -> Result:
+    result = Result(variant)
+    model = opt = forward = None
+    try:
+        torch.manual_seed(0)
+        model = build().train()
+        forward = _prepare(variant, model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step():
+            loss = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        for _ in range(WARMUP_STEPS):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(TIMED_STEPS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        result.step_ms = statistics.median(times)
+        result.tokens_per_s = ids.numel() / (result.step_ms / 1e3)
+        result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        result.loss = loss.item()
+        if variant.startswith("onepass"):
+            import onepass
+
+            report = onepass.optimize_report(model)
+            unfused = [k for k, v in report.items() if not v.startswith(("fused", "n/a"))]
+            result.note = "unfused: " + ", ".join(unfused) if unfused else "all switches fused"
+    except Exception as e:  # one variant failing (out of memory, no Liger) is reported, not fatal
+        result.error = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        del model, opt, forward
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    log(f"  {variant:<22} " + (f"{result.tokens_per_s / 1e3:7.1f}k tokens/s  {result.step_ms:8.1f} ms/step  "
+                               f"peak {result.peak_gib:5.1f} GiB  loss {result.loss:.3f}"
+                               if result.error is None else f"failed: {result.error}"))
+    return result
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str | Path = "benchmarks/results",
+        variants: tuple[str, ...] = VARIANTS, log=print) -> dict:
+    """Time one training step of ``model`` per variant; write ``<out_dir>/<gpu>/train.{json,md}``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the training benchmark needs a CUDA GPU")
+    from onepass.bench.harness import environment, gpu_folder, measure_ceilings
+    from onepass.models.configs import build
+
+    log("measuring the copy bandwidth and the bf16 matmul rate ...")
+    ceilings = measure_ceilings()
+    env = environment(ceilings)
+    log(f"{env['gpu']}: copy {env['copy_GBps']:.0f} GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+
+    def fresh():
+        return build(model, "cuda", torch.bfloat16)
+
+    probe = build(model, "meta", torch.bfloat16)
+    config, n_params = probe.config, sum(p.numel() for p in probe.parameters())
+    del probe
+    flops, bytes_ = step_floor(config, batch, seq, n_params)
+    floor_s = flops / (ceilings.matmul_tflops * 1e12) + bytes_ / (ceilings.copy_gbps * 1e9)
+    floor_tps = batch * seq / floor_s
+    log(f"{model}, batch {batch} x {seq}: floor {floor_tps / 1e3:.1f}k tokens/s "
+        f"({flops / 1e12:.1f} TFLOP, {bytes_ / 2**30:.1f} GiB memory-bound)")
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=g)
+    results = []
+    for variant in variants:
+        r = _measure(variant, fresh, ids, log)
+        if r.tokens_per_s:
+            r.frac_floor = r.tokens_per_s / floor_tps
+        results.append(r)
+
+    summary = {
+        "env": env, "model": model, "batch": batch, "seq": seq, "params": n_params,
+        "floor": {"tokens_per_s": floor_tps, "matmul_tflop": flops / 1e12, "memory_gib": bytes_ / 2**30},
+        "results": [asdict(r) for r in results],
+    }
+    folder = Path(out_dir) / gpu_folder(env["gpu"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (folder / "train.md").write_text(to_markdown(summary))
+    log(f"wrote {folder / 'train.json'} and train.md")
+    return summary
+
+
+def to_markdown(summary: dict) -> str:
+    env, floor = summary["env"], summary["floor"]
+    by_name = {r["variant"]: r for r in summary["results"]}
+    liger = by_name.get("liger", {})
+    lines = [
+        f"# train step: {summary['model']}, batch {summary['batch']} x {summary['seq']}, bf16, AdamW(fused=True)",
+        "", f"{env['gpu']}; torch {env['torch']}, triton {env['triton']}, {env['date']}; copy bandwidth "
+        f"{env['copy_GBps']:.0f} GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s (measured in this run).",
+        "", f"Command: `{env['command']}`", "",
+        f"Floor of the step: {floor['tokens_per_s'] / 1e3:.1f}k tokens/s ({floor['matmul_tflop']:.1f} TFLOP at the "
+        f"matmul rate + {floor['memory_gib']:.1f} GiB at the copy bandwidth).", "",
+        "| variant | tokens/s | ms/step | peak GiB | % of floor | vs Liger tokens/s | vs Liger memory | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["results"]:
+        if r["error"]:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | |")
+            continue
+        vs_t = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}x" if liger.get("tokens_per_s") else "—"
+        vs_m = f"{r['peak_gib'] / liger['peak_gib']:.2f}x" if liger.get("peak_gib") else "—"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['step_ms']:.1f} | {r['peak_gib']:.1f} | "
+                     f"{100 * r['frac_floor']:.0f} | {vs_t} | {vs_m} | {r['note'] or ''} |")
+    lines += ["", "Target (issue 6): onepass >= 1.1x Liger's tokens/s at <= 0.9x Liger's peak memory; "
+              "onepass + torch.compile no slower than onepass."]
+    return "\n".join(lines) + "\n"
