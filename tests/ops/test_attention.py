@@ -115,6 +115,15 @@ def test_empty(shape_q, shape_kv, device):
         assert torch.equal(t.grad, torch.zeros_like(t))
 
 
+def test_int64_offsets_path(device, monkeypatch):
+    """The int64 tile offsets used when a sequence spans 2**31 elements (forced here on small inputs)."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["onepass.ops.attention"]._Geometry, "long_offsets", lambda self, *t: True)
+    q, k, v = _qkv((1, 2, 33, 16), (1, 1, 33, 16), torch.float32, device)
+    _check(q, k, v, torch.float32, causal=True, window=20)
+
+
 def test_torch_compile_fullgraph(device):
     q, k, v = (t.requires_grad_(True) for t in _qkv((1, 4, 20, 16), (1, 2, 20, 16), torch.float32, device))
 

@@ -64,12 +64,14 @@ MAX_HEAD_DIM = 256
 # Launch settings per kernel and padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 # BLOCK_M walks queries, BLOCK_N keys: the forward and dQ kernels own BLOCK_M queries and
 # loop over BLOCK_N keys; the dK/dV kernel owns BLOCK_N keys and loops over BLOCK_M queries.
-# Starting points from Triton's fused-attention tutorial (H100); to be swept on the H200
-# (head dims up to 64 use the 64 row). The lead's sweep edits this table and nothing else.
+# Not yet timed on a GPU: chosen as the fewest register spills among the usual FA2 shapes
+# (ptxas -v on the sm_90a build, causal bf16; e.g. head dim 128: fwd 128x64/8 warps 0 bytes
+# spilled vs 1788 at 128x128; dK/dV 32x64/8 warps 128 bytes vs 1068 at 32x128). To be swept
+# on the H200 (head dims up to 64 use the 64 row); the sweep edits this table and nothing else.
 CONFIGS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
-    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 3), 256: (32, 64, 8, 2)},
-    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 8, 3), 256: (64, 32, 8, 2)},
+    "fwd": {64: (128, 128, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
+    "dkdv": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (32, 32, 4, 2)},
+    "dq": {64: (128, 64, 8, 3), 128: (128, 32, 8, 3), 256: (64, 32, 8, 2)},
 }
 # The interpreter: small tiles (so short test sequences cross tile edges), M != N on purpose.
 INTERPRETER_CONFIGS = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
@@ -166,9 +168,19 @@ def _locate(pid_block, pid_head, n_heads, cu_seqlens_ptr, n_seqs, total, seqlen,
 
 
 @triton.jit
+def _arange(n: tl.constexpr, LONG: tl.constexpr):
+    """Row offsets inside one sequence: int32 (half the registers of the tile pointers' math)
+    unless a sequence spans 2**31 elements; the base pointers are always int64."""
+    offs = tl.arange(0, n)
+    if LONG:
+        offs = offs.to(tl.int64)
+    return offs
+
+
+@triton.jit
 def _load_rows(base, rows, row_stride, offs_d, n_rows, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr):
-    """A [rows, BLOCK_D] tile (rows int64 indices from the sequence start); zero outside."""
+    """A [rows, BLOCK_D] tile (rows: indices from the sequence start); zero outside."""
     ptrs = base + rows[:, None] * row_stride + offs_d[None, :]
     if CHECK_ROWS:
         return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
@@ -227,7 +239,7 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, n_heads, group, n_seqs, total, scale, softcap, before, after,
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SEQS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if BOUND_AFTER:  # causal: the last query blocks see the most keys, start them first
@@ -240,33 +252,32 @@ def _attn_fwd_kernel(
     offset = seqlen_k - seqlen_q
     b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
     start_m = m_block * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = start_m + _arange(BLOCK_M, LONG)
+    offs_n = _arange(BLOCK_N, LONG)
     offs_d = tl.arange(0, BLOCK_D)
     q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
     k_base = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
     v_base = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
-    q = _load_rows(q_base, offs_m.to(tl.int64), q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
+    q = _load_rows(q_base, offs_m, q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
                                           BOUND_BEFORE, BOUND_AFTER)
-    offs_n64 = offs_n.to(tl.int64)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, offs_m,
-                               offs_n64, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+                               offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                                True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, offs_m,
-                               offs_n64, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+                               offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                                False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, offs_m,
-                               offs_n64, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+                               offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                                True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
 
     o, lse = _softmax_finish(acc, l_i, m_i)
     o_base = o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s
-    _store_rows(o_base, offs_m.to(tl.int64), o_stride_s, offs_d, seqlen_q, o, HEAD_DIM)
+    _store_rows(o_base, offs_m, o_stride_s, offs_d, seqlen_q, o, HEAD_DIM)
     tl.store(lse_ptr + b64 * lse_stride_b + h64 * lse_stride_h + row64 + offs_m, lse, mask=offs_m < seqlen_q)
 
 
@@ -276,13 +287,13 @@ def _attn_bwd_preprocess_kernel(
     o_stride_b, o_stride_h, o_stride_s, do_stride_b, do_stride_h, do_stride_s, lse_stride_b, lse_stride_h,
     seqlen_q, n_heads, n_seqs, total,
     HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr,
 ):
     """delta = rowsum(dO * O) - dLSE, in the LSE's layout."""
     b, h, m_block, row_start, length = _locate(tl.program_id(0), tl.program_id(1), n_heads, cu_seqlens_ptr,
                                                n_seqs, total, seqlen_q, BLOCK_M, VARLEN, BLOCK_SEQS)
     b64, h64, row64 = b.to(tl.int64), h.to(tl.int64), row_start.to(tl.int64)
-    rows = (m_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows = m_block * BLOCK_M + _arange(BLOCK_M, LONG)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s, rows, o_stride_s, offs_d,
                    length, True, HEAD_DIM, BLOCK_D)
@@ -339,7 +350,7 @@ def _attn_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, n_kv_heads, group, n_seqs, total, scale, softcap, before, after,
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SEQS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b, hk, n_block, row_start, length = _locate(tl.program_id(0), tl.program_id(1), n_kv_heads, cu_seqlens_ptr,
                                                 n_seqs, total, seqlen_k, BLOCK_N, VARLEN, BLOCK_SEQS)
@@ -349,12 +360,12 @@ def _attn_bwd_dkdv_kernel(
     offset = seqlen_k - seqlen_q
     b64, hk64, row64 = b.to(tl.int64), hk.to(tl.int64), row_start.to(tl.int64)
     start_n = n_block * BLOCK_N
-    k_idx = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    k_idx = start_n + _arange(BLOCK_N, LONG)
+    offs_m = _arange(BLOCK_M, LONG)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s, k_idx.to(tl.int64),
+    k = _load_rows(k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s, k_idx,
                    k_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
-    v = _load_rows(v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s, k_idx.to(tl.int64),
+    v = _load_rows(v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s, k_idx,
                    v_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -378,7 +389,7 @@ def _attn_bwd_dkdv_kernel(
                              delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
                              before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
                              BLOCK_M, BLOCK_D, PRECISION)
-    rows = k_idx.to(tl.int64)
+    rows = k_idx
     _store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
                 seqlen_k, dk * scale, HEAD_DIM)
     _store_rows(dv_ptr + b64 * dv_stride_b + hk64 * dv_stride_h + row64 * dv_stride_s, rows, dv_stride_s, offs_d,
@@ -417,7 +428,7 @@ def _attn_bwd_dq_kernel(
     seqlen_q, seqlen_k, n_heads, group, n_seqs, total, scale, softcap, before, after,
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SEQS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if BOUND_AFTER:
@@ -430,8 +441,8 @@ def _attn_bwd_dq_kernel(
     offset = seqlen_k - seqlen_q
     b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
     start_m = m_block * BLOCK_M
-    q_idx = start_m + tl.arange(0, BLOCK_M)
-    rows = q_idx.to(tl.int64)
+    q_idx = start_m + _arange(BLOCK_M, LONG)
+    rows = q_idx
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_rows(q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s, rows, q_stride_s, offs_d,
                    seqlen_q, True, HEAD_DIM, BLOCK_D)
@@ -444,7 +455,7 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
                                           BOUND_BEFORE, BOUND_AFTER)
-    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_n = _arange(BLOCK_N, LONG)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, q_idx, offs_n, offs_d,
                    seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER,
                    SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
@@ -493,6 +504,10 @@ class _Geometry:
         self.cu_seqlens = cu_seqlens
         self.block_d = block_d_for(self.head_dim)
 
+    def long_offsets(self, *tensors: Tensor) -> bool:
+        """Whether a sequence of one of these tensors spans 2**31 elements (int64 tile offsets)."""
+        return max(self.view(t).shape[2] * self.view(t).stride(2) for t in tensors) >= 2**31 - 2**16
+
     def view(self, t: Tensor) -> Tensor:
         if self.varlen:  # [total, H, D] -> [1, H, total, D]
             return t.unsqueeze(0).transpose(1, 2)
@@ -538,7 +553,7 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
         g.seqlen_q, g.seqlen_k, g.heads, g.group, *g.seq_args(), scale, softcap or 1.0, before, after,
         BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
         HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs,
-        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        LONG=g.long_offsets(q, k, v, o), PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return o, lse
 
@@ -554,7 +569,8 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     delta = torch.empty_like(lse)
     dlse = dlse.contiguous() if dlse is not None else None  # indexed with lse's strides (autograd may expand it)
     common = dict(BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
-                  HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs, PRECISION=precision_for(q.dtype))
+                  HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs, PRECISION=precision_for(q.dtype),
+                  LONG=g.long_offsets(q, k, v, o, do, dq, dk, dv))
     masks = (scale, softcap or 1.0, before, after)
 
     block_m = launch_config("dq", g.head_dim)[0]
@@ -562,7 +578,7 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
         o, do, dlse if dlse is not None else lse, delta, g.cu(lse),
         *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *g.seq_args(),
         HAS_DLSE=dlse is not None, VARLEN=g.varlen, HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_D=g.block_d,
-        BLOCK_SEQS=g.block_seqs,
+        BLOCK_SEQS=g.block_seqs, LONG=common["LONG"],
     )
     block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim)
     _attn_bwd_dkdv_kernel[g.grid(block_n, g.kv_heads, g.seqlen_k)](

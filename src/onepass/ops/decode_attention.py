@@ -34,7 +34,7 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._launch import check_float, check_same_device, interpreting, num_programs_for, use_triton
-from onepass.ops.attention import MAX_HEAD_DIM, _fwd_tiles, _softmax_finish, block_d_for, precision_for
+from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_finish, block_d_for, precision_for
 
 # (BLOCK_N, num_warps, num_stages) per padded head dim (head dims up to 64 use the 64
 # row): starting points, to be swept on the H200 with the decode benchmark.
@@ -54,7 +54,7 @@ def _decode_split_kernel(
     q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
     n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap,
     SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
@@ -80,7 +80,7 @@ def _decode_split_kernel(
     # token t sits at position seqlen - Tq + t: attention's bottom-right causal mask with S_q = Tq
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptr + b64 * k_stride_b + hk64 * k_stride_h,
                                v_ptr + b64 * v_stride_b + hk64 * v_stride_h, k_stride_s, v_stride_s, lo, hi, t,
-                               tl.arange(0, BLOCK_N).to(tl.int64), offs_d, n_tokens, seqlen, seqlen - n_tokens, 0, 0,
+                               _arange(BLOCK_N, LONG), offs_d, n_tokens, seqlen, seqlen - n_tokens, 0, 0,
                                scale, softcap, True, False, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     o, lse = _softmax_finish(acc, l_i, m_i)
     part = (b64 * n_kv_heads * group + h64) * n_tokens + t  # row of [B * H * Tq, splits, D]
@@ -146,7 +146,8 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
         *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3],
         kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0,
         SOFTCAP=bool(softcap), HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * n_tokens)),
-        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision_for(q.dtype), num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_D=block_d, LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
+        PRECISION=precision_for(q.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )
     _decode_merge_kernel[(rows,)](
