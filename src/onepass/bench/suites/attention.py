@@ -1,0 +1,101 @@
+"""Attention: training/prefill (fwd, fwd+bwd) and split-KV decode, bf16, head dim 128.
+
+Prefill: 16384 tokens per batch (B = 16384 / S), 32 heads, S = 1024, 4096, 16384, full and
+causal, against SDPA's flash (FlashAttention-2) and cuDNN backends and compiled
+FlexAttention; the HF eager version (scores in HBM) only at S = 1024, where it fits.
+FLOPs: 4 * B * H * S^2 * D forward (half of it causal), 3.5x that forward + backward.
+
+Decode: one new token, 32 q heads / 8 kv heads, caches of 4k, 32k, 128k positions (all
+valid), batch 1 and 8, against SDPA (enable_gqa) and the HF-style eager loop. Bytes: one
+read of the K and V caches, so "% copy" is the fraction of the copy bandwidth reached.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from onepass import ops, reference
+from onepass.bench.case import Case, fwd, fwd_bwd, variants
+
+DTYPE = torch.bfloat16
+TOKENS, HEADS, HEAD_DIM = 16384, 32, 128
+SEQ_LENS = (1024, 4096, 16384)
+EAGER_MAX_SEQ = 1024  # the eager version writes B*H*S^2 fp32 scores (and more for backward)
+DECODE_BATCHES, DECODE_CACHE_LENS, DECODE_Q_HEADS, DECODE_KV_HEADS = (1, 8), (4096, 32768, 131072), 32, 8
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _flex(seq_len, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len,
+                                       device="cuda")
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v, causal: compiled(q, k, v, block_mask=block_mask)
+
+
+def _make_prefill(seq_len: int, causal: bool, mode: str):
+    grad = mode == "fwd+bwd"
+    step = fwd_bwd if grad else fwd
+
+    def make():
+        from torch.nn.attention import SDPBackend
+
+        batch = TOKENS // seq_len
+        q, k, v = (torch.randn(batch, HEADS, seq_len, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=grad)
+                   for _ in range(3))
+        eager = step(reference.attention, q, k, v, causal) if seq_len <= EAGER_MAX_SEQ else None
+        return variants(**{
+            "onepass": step(ops.attention, q, k, v, causal),
+            "sdpa-flash": step(_sdpa(SDPBackend.FLASH_ATTENTION), q, k, v, causal),
+            "sdpa-cudnn": step(_sdpa(SDPBackend.CUDNN_ATTENTION), q, k, v, causal),
+            "flex (compiled)": step(_flex(seq_len, causal), q, k, v, causal),
+            "eager": eager,
+        })
+
+    return make
+
+
+def _make_decode(batch: int, cache_len: int):
+    def make():
+        q = torch.randn(batch, DECODE_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+        k, v = (torch.randn(batch, DECODE_KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+        return variants(**{
+            "onepass": fwd(ops.decode_attention, q, k, v, seqlens),
+            "sdpa (enable_gqa)": fwd(F.scaled_dot_product_attention, q, k, v, enable_gqa=True),
+            "eager": fwd(reference.decode_attention, q, k, v, seqlens),
+        })
+
+    return make
+
+
+def cases() -> list[Case]:
+    out = []
+    for seq_len in SEQ_LENS:
+        batch = TOKENS // seq_len
+        for causal in (False, True):
+            flops = 4 * batch * HEADS * seq_len * seq_len * HEAD_DIM // (2 if causal else 1)
+            shape = f"B{batch} H{HEADS} S{seq_len} D{HEAD_DIM} {'causal' if causal else 'full'} bf16"
+            for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+                out.append(Case("attention", mode, shape, _make_prefill(seq_len, causal, mode),
+                                flops=int(flops * mult), measure_memory=True))
+    for batch in DECODE_BATCHES:
+        for cache_len in DECODE_CACHE_LENS:
+            kv_bytes = 2 * batch * DECODE_KV_HEADS * cache_len * HEAD_DIM * DTYPE.itemsize
+            shape = f"B{batch} Hq{DECODE_Q_HEADS} Hk{DECODE_KV_HEADS} L{cache_len} D{HEAD_DIM} bf16"
+            out.append(Case("decode_attention", "fwd", shape, _make_decode(batch, cache_len), bytes=kv_bytes,
+                            flops=4 * batch * DECODE_Q_HEADS * cache_len * HEAD_DIM))
+    return out
