@@ -276,11 +276,12 @@ def test_bf16_real_size_matches(family):
     model = onepass.optimize(copy.deepcopy(ref))
     ids = torch.randint(0, 32000, (2, 1024), device="cuda")
     exact_loss, exact = _loss_and_grads(fp32, ids)
+    errors = []  # per model: {parameter: relative error of its gradient against fp32}
     for m in (ref, model):
         loss, grads = _loss_and_grads(m, ids)
         assert abs(loss.item() - exact_loss.item()) < 2e-2 * exact_loss.item()
-        errors = {n: rel_error(g.float(), exact[n]) for n, g in grads.items()}
-        m.errors = errors
-    for name, err in model.errors.items():
-        # no worse than bf16 HF itself, up to a bf16 tolerance
-        assert err <= max(2 * ref.errors[name], TOLERANCE[torch.bfloat16]), f"d {name}: {err:.3g} vs HF {ref.errors[name]:.3g}"
+        errors.append({n: rel_error(g.float(), exact[n]) for n, g in grads.items()})
+    hf_errors, our_errors = errors
+    for name, err in our_errors.items():
+        # no worse than bf16 HF itself (twice its error), or within the bf16 tolerance
+        assert err <= max(2 * hf_errors[name], TOLERANCE[torch.bfloat16]), f"d {name}: {err:.3g} vs HF {hf_errors[name]:.3g}"
