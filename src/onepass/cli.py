@@ -3,6 +3,7 @@
     onepass run                 the main job: the benchmark suite on a GPU; without one,
                                 every op's self-check through Triton's interpreter
     onepass bench ops [...]     the op benchmarks (GPU)
+    onepass bench train [...]   a whole training step of a built-in model (GPU)
     onepass selfcheck           every op against its float64 reference, and its byte budget
     onepass analyze [...]       where a model's HBM bytes and launches go (no GPU needed)
 """
@@ -41,6 +42,13 @@ def _bench_ops(args) -> int:
     return 0
 
 
+def _bench_train(args) -> int:
+    from onepass.bench.train import run
+
+    run(args.model, args.batch, args.seq, args.out)
+    return 0
+
+
 def _analyze(args) -> int:
     from onepass.analyze.cli import run
 
@@ -71,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ops.add_argument("--only", help="keep only the cases whose op name contains this")
     bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_ops.set_defaults(fn=_bench_ops)
+    bench_train = bench.add_parser("train", help="a whole training step: eager, torch.compile, Liger, onepass (GPU)")
+    bench_train.add_argument("--model", default="llama-1b", help="a built-in model configuration")
+    bench_train.add_argument("--batch", type=int, default=4)
+    bench_train.add_argument("--seq", type=int, default=2048)
+    bench_train.add_argument("--out", default="benchmarks/results", help="results folder")
+    bench_train.set_defaults(fn=_bench_train)
     analyze = sub.add_parser("analyze", help="where a model's HBM bytes and launches go, and what fusing saves")
     from onepass.analyze.cli import add_arguments
 

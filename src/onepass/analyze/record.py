@@ -265,6 +265,12 @@ class Recorder(TorchDispatchMode):
         return out
 
 
+def _heads_of(q: torch.Tensor, t: torch.Tensor) -> tuple:
+    """k or v's shape with q's head count: grouped-query attention does the FLOPs of its
+    repeated heads (PyTorch's FLOP formulas reject unequal head counts)."""
+    return (*t.shape[:-3], q.shape[-3], *t.shape[-2:])
+
+
 class _Attention(torch.autograd.Function):
     """SDPA recorded as one fused kernel each way (flash / memory-efficient on a GPU)."""
 
@@ -277,7 +283,7 @@ class _Attention(torch.autograd.Function):
                 out = out.transpose(1, 2).contiguous().transpose(1, 2)
         finally:
             recorder.suppressed -= 1
-        flops = sdpa_flop_count(q.shape, k.shape, v.shape) * (0.5 if kwargs.get("is_causal") else 1.0)
+        flops = sdpa_flop_count(q.shape, _heads_of(q, k), _heads_of(q, v)) * (0.5 if kwargs.get("is_causal") else 1.0)
         dtype = str(q.dtype).replace("torch.", "")
         reads = [q, k, v] + ([mask] if mask is not None else [])
         recorder.add("aten._scaled_dot_product_flash_attention", "attention", reads, [out], flops, dtype)
@@ -299,7 +305,7 @@ class _Attention(torch.autograd.Function):
             grads = [torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), grads)]
         finally:
             recorder.suppressed -= 1
-        flops = sdpa_backward_flop_count(dout.shape, q.shape, k.shape, v.shape)
+        flops = sdpa_backward_flop_count(dout.shape, q.shape, _heads_of(q, k), _heads_of(q, v))
         flops *= 0.5 if kwargs.get("is_causal") else 1.0
         reads = [q, k, v, out, dout] + ([mask] if mask is not None else [])
         recorder.add("aten._scaled_dot_product_flash_attention_backward", "attention", reads, list(grads), flops,
