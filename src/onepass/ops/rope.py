@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, use_triton
+from onepass.ops._launch import check_float, check_same_device, eager_autograd, registered, use_triton
 
 # Launch tunables, in one place for a sweep: a program rotates about TILE_ELEMENTS
 # values (BLOCK_H heads x R dims) with NUM_WARPS warps (16 values a thread).
@@ -193,15 +193,19 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::rope", mutates_args=())
-def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str,
-          interleaved: bool, backward: bool) -> tuple[Tensor, Tensor]:
-    """(q', k') rotated (by the negated angle, transposed, with backward=True); contiguous outputs."""
+def _rope_out_of_place(q, k, cos, sin, position_ids, layout, interleaved, backward):
     q, k = _unit_last(q), _unit_last(k)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out)
     return q_out, k_out
+
+
+@torch.library.custom_op("onepass::rope", mutates_args=())
+def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str,
+          interleaved: bool, backward: bool) -> tuple[Tensor, Tensor]:
+    """(q', k') rotated (by the negated angle, transposed, with backward=True); contiguous outputs."""
+    return _rope_out_of_place(q, k, cos, sin, position_ids, layout, interleaved, backward)
 
 
 @_rope.register_fake
@@ -217,11 +221,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq_out, dk_out):
     cos, sin, position_ids = ctx.saved_tensors
-    dq, dk = _rope(dq_out, dk_out, cos, sin, position_ids, ctx.layout, ctx.interleaved, not ctx.backward)
+    dq, dk = registered(_rope, _rope_out_of_place, dq_out)(dq_out, dk_out, cos, sin, position_ids, ctx.layout, ctx.interleaved, not ctx.backward)
     return dq, dk, None, None, None, None, None, None
 
 
 _rope.register_autograd(_backward, setup_context=_setup_context)
+_rope_eager = eager_autograd(_rope_out_of_place, _setup_context, _backward)
 
 
 @torch.library.custom_op("onepass::rope_", mutates_args=("q", "k"))
@@ -319,4 +324,4 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | 
     if inplace:
         _rope_inplace(q, k, cos, sin, position_ids, layout, interleaved)
         return q, k
-    return _rope(q, k, cos, sin, position_ids, layout, interleaved, False)
+    return registered(_rope, _rope_eager, q)(q, k, cos, sin, position_ids, layout, interleaved, False)
