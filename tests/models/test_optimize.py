@@ -233,7 +233,8 @@ def test_torch_compile_fullgraph(device):
 def test_peft_lora_on_projections(device):
     peft = pytest.importorskip("peft")
     model, ref = _pair("llama", device)
-    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0, init_lora_weights=False)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0,
+                          init_lora_weights=False)
     torch.manual_seed(3)
     ref = peft.get_peft_model(ref, cfg)
     torch.manual_seed(3)
@@ -284,4 +285,5 @@ def test_bf16_real_size_matches(family):
     hf_errors, our_errors = errors
     for name, err in our_errors.items():
         # no worse than bf16 HF itself (twice its error), or within the bf16 tolerance
-        assert err <= max(2 * hf_errors[name], TOLERANCE[torch.bfloat16]), f"d {name}: {err:.3g} vs HF {hf_errors[name]:.3g}"
+        assert err <= max(2 * hf_errors[name], TOLERANCE[torch.bfloat16]), \
+            f"d {name}: {err:.3g} vs HF {hf_errors[name]:.3g}"

@@ -9,4 +9,7 @@ from onepass.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.ops.rope import rope
 from onepass.ops.softmax import softmax
 
-__all__ = ["attention", "cross_entropy", "linear_cross_entropy", "decode_attention", "bias_gelu", "geglu", "swiglu", "add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rope", "softmax"]
+__all__ = [
+    "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention", "geglu",
+    "layer_norm", "linear_cross_entropy", "rms_norm", "rope", "softmax", "swiglu",
+]

@@ -40,7 +40,7 @@ from onepass.ops._launch import (
     check_same_shape,
     check_vector,
     eager_autograd,
-    registered,
+    route,
     use_triton,
 )
 
@@ -233,7 +233,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, up, bias = ctx.saved_tensors
-    dx, du, db = registered(_act_bwd, _act_bwd_launch, x)(dy, x, up, bias, ctx.act)
+    dx, du, db = route(_act_bwd, _act_bwd_launch, x)(dy, x, up, bias, ctx.act)
     return dx, (du if up is not None else None), (db if bias is not None else None), None
 
 
@@ -259,7 +259,7 @@ def _gated(gate: Tensor, up: Tensor, act: int, run_reference) -> Tensor:
     check_same_device(gate=gate, up=up)
     if not use_triton(gate):
         return run_reference()
-    return registered(_act_fwd, _act_fwd_eager, gate)(gate, up, None, act)
+    return route(_act_fwd, _act_fwd_launch, gate, up, autograd=_act_fwd_eager)(gate, up, None, act)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -282,4 +282,4 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
     check_same_device(x=x, bias=bias)
     if not use_triton(x):
         return reference.bias_gelu(x, bias, approximate)
-    return registered(_act_fwd, _act_fwd_eager, x)(x, None, bias, act)
+    return route(_act_fwd, _act_fwd_launch, x, bias, autograd=_act_fwd_eager)(x, None, bias, act)

@@ -47,7 +47,7 @@ from onepass.ops._launch import (
     check_vector,
     eager_autograd,
     num_programs_for,
-    registered,
+    route,
     row_settings,
     use_triton,
 )
@@ -390,8 +390,9 @@ def _backward(ctx, dy, dh_out, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
     if dy is None:  # only h was used downstream
         dy = torch.zeros_like(h)
-    d_h, dx, dw, db = registered(_norm_bwd, _norm_bwd_launch, h)(dy, dh_out if ctx.has_residual else None, h, weight, ctx.has_bias, mean, rstd,
-                                ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual)
+    d_h, dx, dw, db = route(_norm_bwd, _norm_bwd_launch, h)(
+        dy, dh_out if ctx.has_residual else None, h, weight, ctx.has_bias, mean, rstd,
+        ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual)
     dw = dw if weight is not None else None
     db = db.to(ctx.bias_dtype) if ctx.has_bias else None
     if not ctx.has_residual:
@@ -436,8 +437,9 @@ def _norm(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
         if is_rms:
             return reference.add_rms_norm(x, residual, weight, eps, dropout_p, out_dtype=out_dtype)
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, out_dtype=out_dtype)
-    y, h, _, _ = registered(_norm_fwd, _norm_fwd_eager, x)(x, residual, weight, bias, float(eps), float(dropout_p), _seed(seed) if dropout_p else 0,
-                           is_rms, out_dtype)
+    seed = _seed(seed) if dropout_p else 0
+    y, h, _, _ = route(_norm_fwd, _norm_fwd_launch, x, residual, weight, bias, autograd=_norm_fwd_eager)(
+        x, residual, weight, bias, float(eps), float(dropout_p), seed, is_rms, out_dtype)
     return y, (h if residual is not None else None)
 
 

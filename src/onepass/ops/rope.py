@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, eager_autograd, registered, use_triton
+from onepass.ops._launch import check_float, check_same_device, eager_autograd, route, use_triton
 
 # Launch tunables, in one place for a sweep: a program rotates about TILE_ELEMENTS
 # values (BLOCK_H heads x R dims) with NUM_WARPS warps (16 values a thread).
@@ -221,7 +221,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq_out, dk_out):
     cos, sin, position_ids = ctx.saved_tensors
-    dq, dk = registered(_rope, _rope_out_of_place, dq_out)(dq_out, dk_out, cos, sin, position_ids, ctx.layout, ctx.interleaved, not ctx.backward)
+    dq, dk = route(_rope, _rope_out_of_place, dq_out)(dq_out, dk_out, cos, sin, position_ids, ctx.layout,
+                                                      ctx.interleaved, not ctx.backward)
     return dq, dk, None, None, None, None, None, None
 
 
@@ -324,4 +325,5 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | 
     if inplace:
         _rope_inplace(q, k, cos, sin, position_ids, layout, interleaved)
         return q, k
-    return registered(_rope, _rope_eager, q)(q, k, cos, sin, position_ids, layout, interleaved, False)
+    return route(_rope, _rope_out_of_place, q, k, autograd=_rope_eager)(q, k, cos, sin, position_ids, layout,
+                                                                        interleaved, False)
