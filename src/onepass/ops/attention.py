@@ -73,6 +73,9 @@ CONFIGS = {
     "dkdv": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (32, 32, 4, 2)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 32, 8, 3), 256: (64, 32, 8, 2)},
 }
+# fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles keep
+# their shared memory and registers in bounds at every head dim.
+FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 # The interpreter: small tiles (so short test sequences cross tile edges), M != N on purpose.
 INTERPRETER_CONFIGS = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
 
@@ -476,10 +479,12 @@ def block_d_for(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def launch_config(kernel: str, head_dim: int) -> tuple[int, int, int, int]:
+def launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for one kernel of this file."""
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
+    if dtype == torch.float32:
+        return FP32_CONFIGS[kernel]
     return CONFIGS[kernel][max(64, block_d_for(head_dim))]
 
 
@@ -546,7 +551,7 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     lse = torch.empty(g.lse_shape(), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return o, lse
-    block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim)
+    block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
     _attn_fwd_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
         q, k, v, o, lse, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.lse_strides(),
@@ -573,21 +578,21 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
                   LONG=g.long_offsets(q, k, v, o, do, dq, dk, dv))
     masks = (scale, softcap or 1.0, before, after)
 
-    block_m = launch_config("dq", g.head_dim)[0]
+    block_m = launch_config("dq", g.head_dim, q.dtype)[0]
     _attn_bwd_preprocess_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
         o, do, dlse if dlse is not None else lse, delta, g.cu(lse),
         *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *g.seq_args(),
         HAS_DLSE=dlse is not None, VARLEN=g.varlen, HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_D=g.block_d,
         BLOCK_SEQS=g.block_seqs, LONG=common["LONG"],
     )
-    block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim)
+    block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
     _attn_bwd_dkdv_kernel[g.grid(block_n, g.kv_heads, g.seqlen_k)](
         q, k, v, do, lse, delta, dk, dv, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
         *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *g.seq_args(), *masks,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )
-    block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim)
+    block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
     _attn_bwd_dq_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
         q, k, v, do, lse, delta, dq, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dq), *g.lse_strides(),

@@ -39,6 +39,7 @@ from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_fi
 # (BLOCK_N, num_warps, num_stages) per padded head dim (head dims up to 64 use the 64
 # row): starting points, to be swept on the H200 with the decode benchmark.
 DECODE_CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
+FP32_CONFIG = (32, 4, 2)  # fp32 inputs (tests on a GPU): FMA dots, shared memory in bounds at D = 256
 INTERPRETER_CONFIG = (16, 1, 1)
 MIN_SPLIT_TOKENS = 128  # fewer positions per split than this and the merge costs more than it saves
 MAX_SPLITS = 64
@@ -135,8 +136,12 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
         return out
     group = heads // kv_heads
     splits = num_splits or default_num_splits(q.device, batch, kv_heads, cache_len)
-    block_n, num_warps, num_stages = INTERPRETER_CONFIG if interpreting() else \
-        DECODE_CONFIGS[max(64, block_d_for(head_dim))]
+    if interpreting():
+        block_n, num_warps, num_stages = INTERPRETER_CONFIG
+    elif q.dtype == torch.float32:
+        block_n, num_warps, num_stages = FP32_CONFIG
+    else:
+        block_n, num_warps, num_stages = DECODE_CONFIGS[max(64, block_d_for(head_dim))]
     block_d = block_d_for(head_dim)
     rows = batch * heads * n_tokens
     o_part = torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
