@@ -79,7 +79,7 @@ FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4,
 # The interpreter: small tiles (so short test sequences cross tile edges), M != N on purpose.
 INTERPRETER_CONFIGS = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(z) = exp2(z * log2(e))
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -87,7 +87,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _tanh(x):
     # through exp2: runs the same in the interpreter and on sm_90 (no libdevice)
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2 * LOG2E)) + 1.0)
 
 
 @triton.jit
@@ -95,10 +95,10 @@ def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
     """Scores in log2 units from raw dot products; also tanh(.) for the softcap derivative."""
     if SOFTCAP:
         t = _tanh(qk * (scale / softcap))
-        s = t * (softcap * 1.4426950408889634)
+        s = t * (softcap * LOG2E)
     else:
         t = qk
-        s = qk * (scale * 1.4426950408889634)
+        s = qk * (scale * LOG2E)
     return s, t
 
 
@@ -230,7 +230,7 @@ def _softmax_finish(acc, l_i, m_i):
     """(output, natural-log LSE) of the online softmax; a row that saw no key gets 0 and -inf."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / LOG2E)
     return acc / l_safe[:, None], lse
 
 
@@ -312,7 +312,7 @@ def _attn_bwd_preprocess_kernel(
 @triton.jit
 def _load_stats(lse_ptr, delta_ptr, at, rows, n_rows):
     """LSE (log2 units) and delta of some query rows; rows that see nothing get LSE +inf, so p = 0."""
-    lse = tl.load(lse_ptr + at, mask=rows < n_rows, other=float("inf")) * 1.4426950408889634
+    lse = tl.load(lse_ptr + at, mask=rows < n_rows, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     return lse, tl.load(delta_ptr + at, mask=rows < n_rows, other=0.0)
 
