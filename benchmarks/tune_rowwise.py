@@ -1,6 +1,6 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
-    python benchmarks/tune_rowwise.py
+    python benchmarks/tune_rowwise.py [profile] [norm] [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -37,16 +37,21 @@ def sweep_norm(copy):
     original = norm.row_settings
     for warps in (4, 8, 16):
         norm.row_settings = lambda cols, w_=warps: (4096, w_)
-        for name, fn, passes in (
-            ("rms fwd", lambda: norm._norm_fwd(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype), 2),
-            ("add_rms fwd", lambda: norm._norm_fwd(x, res, w, None, 1e-6, 0.0, 0, True, x.dtype), 4),
-        ):
-            ms, gbps = bench(fn, passes * size)
-            print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
-        _, _, _, rstd = norm._norm_fwd(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
-        for per_sm in (1, 2, 4, 8):
+        for rows in (1, 2, 4):
+            norm.FWD_ROWS_PER_PROGRAM = rows
+            for name, fn, passes in (
+                ("rms fwd", lambda: norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype), 2),
+                ("add_rms fwd", lambda: norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0, True, x.dtype), 4),
+            ):
+                ms, gbps = bench(fn, passes * size)
+                print(f"norm {name:<12} warps={warps:<3} rows={rows} {ms:7.3f} ms {gbps:6.0f} GB/s "
+                      f"{gbps / copy:6.1%}")
+        norm.FWD_ROWS_PER_PROGRAM = 1
+        _, _, _, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
+        for per_sm in (1, 2, 4):
             norm.BWD_PROGRAMS_PER_SM = per_sm
-            ms, gbps = bench(lambda: norm._norm_bwd(dy, None, x, w, False, rstd, rstd, 0.0, 0, True, x.dtype, False),
+            ms, gbps = bench(lambda: norm._norm_bwd_launch(dy, None, x, w, False, rstd, rstd, 0.0, 0, True, x.dtype,
+                                                           False),
                              3 * size)
             print(f"norm rms bwd warps={warps:<3} per_sm={per_sm} "
                   f"{ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
@@ -108,8 +113,14 @@ def profile_step():
 
 
 if __name__ == "__main__":
+    import sys
+
+    parts = sys.argv[1:] or ["profile", "norm", "activation"]  # any of these, in this order
     ceilings = measure_ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s")
-    profile_step()
-    sweep_norm(ceilings.copy_gbps)
-    sweep_activation(ceilings.copy_gbps)
+    if "profile" in parts:
+        profile_step()
+    if "norm" in parts:
+        sweep_norm(ceilings.copy_gbps)
+    if "activation" in parts:
+        sweep_activation(ceilings.copy_gbps)
