@@ -37,16 +37,12 @@ def sweep_norm(copy):
     original = norm.row_settings
     for warps in (4, 8, 16):
         norm.row_settings = lambda cols, w_=warps: (4096, w_)
-        for rows in (1, 2, 4):
-            norm.FWD_ROWS_PER_PROGRAM = rows
-            for name, fn, passes in (
-                ("rms fwd", lambda: norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype), 2),
-                ("add_rms fwd", lambda: norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0, True, x.dtype), 4),
-            ):
-                ms, gbps = bench(fn, passes * size)
-                print(f"norm {name:<12} warps={warps:<3} rows={rows} {ms:7.3f} ms {gbps:6.0f} GB/s "
-                      f"{gbps / copy:6.1%}")
-        norm.FWD_ROWS_PER_PROGRAM = 1
+        for name, fn, passes in (
+            ("rms fwd", lambda: norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype), 2),
+            ("add_rms fwd", lambda: norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0, True, x.dtype), 4),
+        ):
+            ms, gbps = bench(fn, passes * size)
+            print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
         _, _, _, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
         for per_sm in (1, 2, 4):
             norm.BWD_PROGRAMS_PER_SM = per_sm
