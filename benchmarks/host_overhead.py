@@ -112,6 +112,12 @@ def main():
     for name, fn in rows.items():
         host, total = host_us(fn)
         print(f"{name:<44} host {host:7.1f} us   with GPU {total:7.1f} us")
+    step_public = rows["fwd+bwd step, public op"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            step_public()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
     torch.cuda.set_sync_debug_mode("warn")  # names any call that synchronizes with the GPU
     for name in ("fwd+bwd step, public op", "bwd launcher (16384 rows)"):
         print("sync check:", name)
