@@ -25,6 +25,7 @@ class Check:
     inputs: Callable[[str, bool], tuple]  # (device, benchmark size?) -> inputs; float ones get gradients
     run: Callable  # (ops or reference, *inputs) -> tensor or tuple of tensors
     n_grad: int = 99  # how many leading inputs get gradients (rope's tables get none)
+    meta: bool = True  # the reference runs on meta tensors (not when it reads values, as decode's lengths)
 
 
 def _rows(n_tensors: int, cols: int, vectors: int = 0):
@@ -51,6 +52,32 @@ def _rope_inputs(device, big):
             emb.cos().to(dtype), emb.sin().to(dtype))
 
 
+def _logits(device, big):
+    tokens, vocab, dtype = (8192, 128256, torch.bfloat16) if big else (6, 300, torch.float32)
+    return torch.randn(tokens, vocab, device=device, dtype=dtype), torch.randint(0, vocab, (tokens,), device=device)
+
+
+def _lm_head(device, big):
+    tokens, hidden, vocab, dtype = (8192, 2048, 128256, torch.bfloat16) if big else (6, 32, 300, torch.float32)
+    return (torch.randn(tokens, hidden, device=device, dtype=dtype),
+            torch.randn(vocab, hidden, device=device, dtype=dtype) / hidden**0.5,
+            torch.randint(0, vocab, (tokens,), device=device))
+
+
+def _qkv(device, big):
+    (b, hq, hk, s, d), dtype = ((16, 32, 32, 1024, 128), torch.bfloat16) if big else ((2, 4, 2, 37, 32), torch.float32)
+    return (torch.randn(b, hq, s, d, device=device, dtype=dtype),
+            *(torch.randn(b, hk, s, d, device=device, dtype=dtype) for _ in range(2)))
+
+
+def _kv_cache(device, big):
+    (b, hq, hk, length, d), dtype = ((1, 32, 8, 4096, 128), torch.bfloat16) if big else ((2, 4, 2, 70, 32),
+                                                                                       torch.float32)
+    return (torch.randn(b, hq, 1, d, device=device, dtype=dtype),
+            *(torch.randn(b, hk, length, d, device=device, dtype=dtype) for _ in range(2)),
+            torch.tensor([length, length - 9][:b], device=device, dtype=torch.int32))
+
+
 CHECKS = [
     Check("rms_norm", "norm", _rows(1, 4096, 1), lambda m, x, w: m.rms_norm(x, w)),
     Check("layer_norm", "norm", _rows(1, 4096, 2), lambda m, x, w, b: m.layer_norm(x, w, b)),
@@ -60,6 +87,11 @@ CHECKS = [
     Check("bias_gelu", "activation", _rows(1, 8192, 1), lambda m, x, b: m.bias_gelu(x, b)),
     Check("softmax", "softmax", _scores, lambda m, x: m.softmax(x, scale=0.125, causal=True)),
     Check("rope", "rope", _rope_inputs, lambda m, q, k, cos, sin: m.rope(q, k, cos, sin), n_grad=2),
+    Check("cross_entropy", "loss", _logits, lambda m, x, t: m.cross_entropy(x, t, label_smoothing=0.1), n_grad=1),
+    Check("linear_cross_entropy", "loss", _lm_head, lambda m, h, w, t: m.linear_cross_entropy(h, w, t), n_grad=2),
+    Check("attention", "attention", _qkv, lambda m, q, k, v: m.attention(q, k, v, causal=True)),
+    Check("decode_attention", "attention", _kv_cache,
+          lambda m, q, k, v, lengths: m.decode_attention(q, k, v, lengths), n_grad=0, meta=False),
 ]
 
 
@@ -74,10 +106,11 @@ def check(c: Check, device: str) -> float:
         t.requires_grad_(True)
     outs = _outputs(c.run(ops, *inputs))
     grads = [torch.randn_like(o) for o in outs]
-    torch.autograd.backward(outs, grads)
-    doubles = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+    doubles = [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
     refs = _outputs(c.run(reference, *doubles))
-    torch.autograd.backward(refs, [g.double() for g in grads])
+    if c.n_grad:
+        torch.autograd.backward(outs, grads)
+        torch.autograd.backward(refs, [g.double() for g in grads])
     errors = [rel_error(o, r) for o, r in zip(outs, refs)]
     errors += [rel_error(t.grad, d.grad) for t, d in zip(inputs, doubles) if t.requires_grad]
     return max(errors)
@@ -87,10 +120,10 @@ def unfused_bytes(c: Check, mode: str) -> tuple[int, int]:
     """(bytes, launches) of the reference at benchmark size, counted by the analyzer on meta tensors."""
     from onepass.analyze import analyze
 
-    inputs = c.inputs("meta", True)
+    inputs = c.inputs("meta" if c.meta else "cpu", True)
     for t in inputs[:c.n_grad]:
         t.requires_grad_(mode == "train")
-    totals = analyze(lambda *xs: c.run(reference, *xs), *inputs, mode=mode, meta=True, quiet=True).totals()
+    totals = analyze(lambda *xs: c.run(reference, *xs), *inputs, mode=mode, meta=c.meta, quiet=True).totals()
     return totals["bytes"], totals["launches"]
 
 
@@ -106,7 +139,7 @@ def fused_bytes() -> dict[tuple[str, str], int]:
 def run(device: str = "cpu", log=print) -> bool:
     fused = fused_bytes()
     tol = TOLERANCE[torch.float32]
-    log(f"{'op':<13} {'max rel. err':>12} {'':<6}  bytes at benchmark size, bf16: "
+    log(f"{'op':<21} {'max rel. err':>12} {'':<6}  bytes at benchmark size, bf16: "
         "unfused PyTorch (launches) -> fused minimum")
     ok = True
     for c in CHECKS:
@@ -115,8 +148,9 @@ def run(device: str = "cpu", log=print) -> bool:
         ok &= passed
         budget = []
         for mode, analyzer_mode in (("fwd", "forward"), ("fwd+bwd", "train")):
-            if (c.op, mode) in fused:
+            if fused.get((c.op, mode)):  # compute-bound cases (attention) have no byte budget
                 moved, launches = unfused_bytes(c, analyzer_mode)
                 budget.append(f"{mode} {moved / 1e6:,.0f} MB ({launches}) -> {fused[(c.op, mode)] / 1e6:,.0f} MB")
-        log(f"{c.op:<13} {err:>12.2e} {'ok' if passed else 'FAILED':<6}  {'; '.join(budget)}")
+        budget = budget or ["matmul-bound: measured in TFLOP/s, no byte budget"]
+        log(f"{c.op:<21} {err:>12.2e} {'ok' if passed else 'FAILED':<6}  {'; '.join(budget)}")
     return ok

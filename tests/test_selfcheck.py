@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+from onepass import selfcheck
+
+
+def test_every_op_passes_its_selfcheck_and_has_a_budget(device):
+    lines = []
+    assert selfcheck.run(device, log=lines.append)
+    body = "\n".join(lines[1:])
+    for c in selfcheck.CHECKS:
+        assert f"{c.op} " in body
+    # the byte budget of a memory-bound op: unfused bytes (counted) above the fused minimum
+    row = next(line for line in lines if line.startswith("rms_norm "))
+    assert "fwd " in row and "->" in row
+
+
+def test_a_wrong_kernel_fails_the_selfcheck(device, monkeypatch):
+    check = next(c for c in selfcheck.CHECKS if c.op == "swiglu")
+    monkeypatch.setattr(check, "run", lambda m, g, u: m.swiglu(g, u) * (1.001 if m is not selfcheck.reference else 1))
+    assert selfcheck.check(check, device) > 1e-4
+
+
+def test_budgets_come_from_the_benchmark_cases():
+    fused = selfcheck.fused_bytes()
+    assert fused[("rms_norm", "fwd")] == 2 * 16384 * 4096 * torch.bfloat16.itemsize
+    with pytest.raises(KeyError):
+        fused[("no_such_op", "fwd")]
