@@ -25,7 +25,9 @@ from typing import Callable
 
 import torch
 
-VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile")
+VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile", "onepass, SDPA attention")
+# optimize() switches of the onepass variants
+ONEPASS_SWITCHES = {"onepass": {}, "onepass+torch.compile": {}, "onepass, SDPA attention": {"attention": False}}
 
 # Timed steps after warm-up (the compiled variants compile during warm-up).
 WARMUP_STEPS = 3
@@ -100,7 +102,7 @@ def _prepare(variant: str, model: torch.nn.Module):
             raise ImportError("liger_kernel is not importable here")
         patch(model=model)
         return model
-    onepass.optimize(model)
+    onepass.optimize(model, **ONEPASS_SWITCHES[variant])
     return torch.compile(model) if variant == "onepass+torch.compile" else model
 
 
