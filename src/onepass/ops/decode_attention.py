@@ -41,7 +41,7 @@ from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_fi
 DECODE_CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 FP32_CONFIG = (32, 4, 2)  # fp32 inputs (tests on a GPU): FMA dots, shared memory in bounds at D = 256
 INTERPRETER_CONFIG = (16, 1, 1)
-MIN_SPLIT_TOKENS = 128  # fewer positions per split than this and the merge costs more than it saves
+MIN_SPLIT_TOKENS = 128  # at least two key tiles per split (an unmeasured floor: sweep it with the splits)
 MAX_SPLITS = 64
 MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
 MERGE_WARPS = 4
