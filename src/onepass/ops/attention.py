@@ -56,7 +56,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, interpreting, use_triton
+from onepass.ops._launch import check_float, check_same_device, eager_autograd, interpreting, route, use_triton
 from onepass.reference.attention import window_bounds
 
 MAX_HEAD_DIM = 256
@@ -645,11 +645,12 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
     if do is None:  # only the LSE was used
         do = torch.zeros_like(o)
-    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, *ctx.args)
+    dq, dk, dv = route(_attention_bwd, _attention_bwd_launch, q)(do, q, k, v, o, lse, dlse, cu_seqlens, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_attention_fwd_eager = eager_autograd(_attention_fwd_launch, _setup_context, _backward)
 
 
 # ---------------------------------------------------------------- public function
@@ -728,5 +729,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     if not use_triton(q):
         return reference.attention(q, k, v, causal, scale, window, softcap, layout, cu_seqlens, return_lse)
     before, after = window_bounds(causal, window)
-    o, lse = _attention_fwd(q, k, v, cu_seqlens, scale, before, after, float(softcap or 0.0), layout)
+    o, lse = route(_attention_fwd, _attention_fwd_launch, q, k, v, autograd=_attention_fwd_eager)(
+        q, k, v, cu_seqlens, scale, before, after, float(softcap or 0.0), layout)
     return (o, lse) if return_lse else o

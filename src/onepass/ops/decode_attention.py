@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, interpreting, num_programs_for, use_triton
+from onepass.ops._launch import check_float, check_same_device, interpreting, num_programs_for, route, use_triton
 from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_finish, block_d_for, precision_for
 
 # (BLOCK_N, num_warps, num_stages) per padded head dim (head dims up to 64 use the 64
@@ -226,5 +226,5 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_triton(q):
         return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout)
-    return _decode_attention(q, k_cache, v_cache, cache_seqlens, scale, float(softcap or 0.0), layout,
-                             int(num_splits or 0))
+    return route(_decode_attention, _decode_launch, q)(q, k_cache, v_cache, cache_seqlens, scale,
+                                                       float(softcap or 0.0), layout, int(num_splits or 0))

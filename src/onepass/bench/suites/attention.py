@@ -38,6 +38,10 @@ def _sdpa(backend):
 def _flex(seq_len, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # One compile per case: twelve cases through one compiled function pass dynamo's
+    # recompile limit (8), after which flex_attention silently runs unfused (H200 run of
+    # 2026-11-21: 17 TFLOP/s and a 104 GiB peak at S = 16384).
+    torch._dynamo.reset()
     block_mask = None
     if causal:
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len,
