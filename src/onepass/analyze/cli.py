@@ -52,7 +52,19 @@ def run(args: argparse.Namespace) -> int:
     kwargs = {"use_cache": False}
     if args.mode == "train":
         kwargs["labels"] = ids
-    variants = {"torch.compile": torch.compile(model)} if args.measure else None
+    variants = None
+    if args.measure:
+        import functools
+
+        import onepass
+
+        torch.manual_seed(0)  # the same weights as the eager model
+        fused = onepass.optimize(build(args.model, device=device, dtype=getattr(torch, args.dtype)))
+        fused.train(args.mode == "train")
+        # each variant gets the eager step's keyword arguments (labels, use_cache)
+        variants = {name: functools.partial(fn, **kwargs) for name, fn in (
+            ("torch.compile", torch.compile(model)), ("onepass", fused),
+            ("onepass + torch.compile", torch.compile(fused)))}
     report = analyze(model, ids, gpu=args.gpu, mode=args.mode, measure=args.measure, variants=variants,
                      quiet=args.quiet, title=f"{args.model} batch {args.batch} x seq {args.seq}",
                      trace_dir=args.out, **kwargs)
