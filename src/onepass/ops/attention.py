@@ -75,6 +75,11 @@ CONFIGS = {
     "dkdv": {64: (32, 128, 8, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
 }
+# dQ in the backward: False runs its own kernel over query blocks (recomputes the scores
+# and dP: 3.5x the forward's FLOPs in all, no atomics); True adds each key block's share
+# into an fp32 buffer with atomics inside the dK/dV kernel (FlashAttention-2's way: 2.5x
+# the forward's FLOPs, plus the atomic traffic and one cast). To be A/B-timed on the H200.
+DQ_ATOMIC = False
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
@@ -320,12 +325,14 @@ def _load_stats(lse_ptr, delta_ptr, at, rows, n_rows):
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_base, delta_base, start, end, k_idx,
-                offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_row_stride, do_row_stride, dq_row_stride, lse_base,
+                delta_base, start, end, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                 MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                DQ_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                PRECISION: tl.constexpr):
     """dK, dV of one key block from the query tiles [start, end), in the transposed
-    orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q."""
+    orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q (and, with DQ_ATOMIC,
+    dq += scale * ds k added into fp32 dQ)."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = _load_rows(q_base, rows, q_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
@@ -342,18 +349,24 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT *= 1.0 - tT * tT
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
+        dsT = dsT.to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION) * scale
+            mask = (rows < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            tl.atomic_add(dq_base + rows[:, None] * dq_row_stride + offs_d[None, :], dq, mask=mask, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
     do_stride_b, do_stride_h, do_stride_s, dk_stride_b, dk_stride_h, dk_stride_s,
-    dv_stride_b, dv_stride_h, dv_stride_s, lse_stride_b, lse_stride_h,
+    dv_stride_b, dv_stride_h, dv_stride_s, dq_stride_b, dq_stride_h, dq_stride_s, lse_stride_b, lse_stride_h,
     seqlen_q, seqlen_k, n_kv_heads, group, n_seqs, total, scale, softcap, before, after,
-    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -381,19 +394,20 @@ def _attn_bwd_dkdv_kernel(
         h64 = hk64 * group + g
         q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
         do_base = do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s
+        dq_base = dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s
         stats = b64 * lse_stride_b + h64 * lse_stride_h + row64
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
-                             delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
-                             before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
-                             delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
-                             before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
-                             delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
-                             before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_stride_s, do_stride_s, dq_stride_s,
+                             lse_ptr + stats, delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k,
+                             offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP,
+                             DQ_ATOMIC, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_stride_s, do_stride_s, dq_stride_s,
+                             lse_ptr + stats, delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k,
+                             offset, before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP,
+                             DQ_ATOMIC, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_stride_s, do_stride_s, dq_stride_s,
+                             lse_ptr + stats, delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k,
+                             offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP,
+                             DQ_ATOMIC, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION)
     rows = k_idx
     _store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
                 seqlen_k, dk * scale, HEAD_DIM)
@@ -587,13 +601,16 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
         HAS_DLSE=dlse is not None, VARLEN=g.varlen, HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_D=g.block_d,
         BLOCK_SEQS=g.block_seqs, LONG=common["LONG"],
     )
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if DQ_ATOMIC else dq
     block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
     _attn_bwd_dkdv_kernel[g.grid(block_n, g.kv_heads, g.seqlen_k)](
-        q, k, v, do, lse, delta, dk, dv, g.cu(lse),
+        q, k, v, do, lse, delta, dk, dv, dq_acc, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
-        *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *g.seq_args(), *masks,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
+        *g.strides(dq_acc), *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *g.seq_args(), *masks,
+        DQ_ATOMIC=DQ_ATOMIC, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )
+    if DQ_ATOMIC:
+        return dq.copy_(dq_acc), dk, dv
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
     _attn_bwd_dq_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
         q, k, v, do, lse, delta, dq, g.cu(lse),
