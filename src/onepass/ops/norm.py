@@ -74,6 +74,15 @@ def _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_col
 
 
 @triton.jit
+def _store_h(h, h_ptr, row, h_row_stride, cols, mask):
+    """Write h in the stream's dtype; return it as stored, in fp32: the row is normalised as
+    the backward will read it back."""
+    h = h.to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * h_row_stride + cols, h, mask=mask)
+    return h.to(tl.float32)
+
+
+@triton.jit
 def _norm_fwd_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr,
     x_row_stride, res_row_stride, y_row_stride, h_row_stride,
@@ -95,10 +104,7 @@ def _norm_fwd_kernel(
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
                     HAS_RESIDUAL, HAS_DROPOUT)
         if HAS_RESIDUAL:
-            # normalise h as stored (rounded to the stream's dtype), as the backward will read it
-            h = h.to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * h_row_stride + cols, h, mask=mask)
-            h = h.to(tl.float32)
+            h = _store_h(h, h_ptr, row, h_row_stride, cols, mask)
         if IS_RMS:
             mean = 0.0
             centred = h
@@ -122,9 +128,7 @@ def _norm_fwd_kernel(
             h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, c, m, n_cols, dropout_p, seed,
                         HAS_RESIDUAL, HAS_DROPOUT)
             if HAS_RESIDUAL:
-                h = h.to(h_ptr.dtype.element_ty)
-                tl.store(h_ptr + row * h_row_stride + c, h, mask=m)
-                h = h.to(tl.float32)
+                h = _store_h(h, h_ptr, row, h_row_stride, c, m)
             acc += h if not IS_RMS else h * h
         if IS_RMS:
             mean = 0.0
