@@ -35,9 +35,11 @@ def fwd(fn: Callable, *args, **kwargs) -> Thunk:
 
 
 def fwd_bwd(fn: Callable, *args, **kwargs) -> Thunk:
-    """One forward and backward; gradients are zeroed (set to None) before each step.
+    """One forward and backward; gradients are dropped (set to None) before each step.
 
-    The upstream gradient is drawn once, outside the timed region, for every output.
+    The upstream gradient is drawn once, outside the timed region, for every output; a
+    scalar output (a loss) gets 1, as ``loss.backward()`` gives it. The step's ``leaves``
+    let the harness drop the gradients before it takes a memory baseline.
     """
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     grads: list[torch.Tensor] = []
@@ -49,9 +51,10 @@ def fwd_bwd(fn: Callable, *args, **kwargs) -> Thunk:
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
                 if isinstance(o, torch.Tensor) and o.requires_grad]
         if not grads:
-            grads.extend(torch.randn_like(o) for o in outs)
+            grads.extend(torch.ones_like(o) if o.numel() == 1 else torch.randn_like(o) for o in outs)
         torch.autograd.backward(outs, grads)
 
+    step.leaves = leaves
     return step
 
 

@@ -12,21 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from onepass import ops
-from onepass.bench.case import Case, Thunk, compiled, fwd, liger, variants
+from onepass.bench.case import Case, compiled, fwd, fwd_bwd, liger, variants
 
 TOKENS, HIDDEN, VOCAB, DTYPE = 8192, 2048, 128256, torch.bfloat16
-
-
-def loss_step(fn, *args, **kwargs) -> Thunk:
-    """One forward and ``loss.backward()``; the leaves' gradients are dropped first."""
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        fn(*args, **kwargs).backward()
-
-    return step
 
 
 def hf_cross_entropy(logits, target):
@@ -54,7 +42,7 @@ def _make_cross_entropy(mode: str):
         grad = mode == "fwd+bwd"
         logits = torch.randn(TOKENS, VOCAB, device="cuda", dtype=DTYPE, requires_grad=grad)
         target = _targets()
-        step = loss_step if grad else fwd
+        step = fwd_bwd if grad else fwd
         liger_ce = liger("liger_kernel.transformers.functional", "liger_cross_entropy")
         return variants(
             onepass=step(ops.cross_entropy, logits, target),
@@ -74,12 +62,12 @@ def _make_linear_cross_entropy():
     target = _targets()
     liger_flce = liger("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
     return variants(
-        onepass=loss_step(ops.linear_cross_entropy, hidden, weight, target),
-        onepass_bf16_accum=loss_step(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=DTYPE),
+        onepass=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target),
+        onepass_bf16_accum=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=DTYPE),
         three_matmuls=fwd(three_matmuls, hidden.detach(), weight.detach()),
-        eager=loss_step(hf_linear_cross_entropy, hidden, weight, target),
-        torch_compile=loss_step(compiled(hf_linear_cross_entropy), hidden, weight, target),
-        liger=loss_step(liger_flce, hidden, weight, target) if liger_flce else None,
+        eager=fwd_bwd(hf_linear_cross_entropy, hidden, weight, target),
+        torch_compile=fwd_bwd(compiled(hf_linear_cross_entropy), hidden, weight, target),
+        liger=fwd_bwd(liger_flce, hidden, weight, target) if liger_flce else None,
     )
 
 
