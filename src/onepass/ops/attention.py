@@ -70,10 +70,13 @@ MAX_HEAD_DIM = 256
 # registers, no spill (4 warps: 404 B spilled); dK/dV 32x128/8w/3st 204 B spilled (16x128:
 # 4 B, 64x64: 808 B); dQ 128x64/8w/3st no spill. To be swept on the H200 (head dims up to 64
 # use the 64 row); the sweep edits this table and nothing else.
+# Head dim 64 from an H200 sweep at Llama-3.2-1B's attention (B4 S2048 32/8 heads, causal,
+# bf16; benchmarks/tune_attention_d64.py): fwd 64x64/4 warps 0.210 ms (128x128/8: 0.270);
+# fwd+bwd with dK/dV 32x64/4 1.055 ms (32x128/8: 1.169), with dQ 64x64/4 1.124 ms (128x64/8: 1.167).
 CONFIGS = {
-    "fwd": {64: (128, 128, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
-    "dkdv": {64: (32, 128, 8, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
-    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
+    "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
+    "dkdv": {64: (32, 64, 4, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
+    "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
 }
 # dQ in the backward: False runs its own kernel over query blocks (recomputes the scores
 # and dP: 3.5x the forward's FLOPs in all, no atomics); True adds each key block's share
