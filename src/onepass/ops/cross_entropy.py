@@ -117,10 +117,16 @@ def _cross_entropy_fwd_kernel(
     s_vec = tl.zeros([BLOCK_N], tl.float32)
     z_sum = tl.zeros([BLOCK_N], tl.float32)
     arg = tl.zeros([BLOCK_N], tl.int32)
+    # The next block's load is issued before this block's math (hand pipelining: the
+    # loop-carried running max would otherwise leave one load in flight a program).
+    # H200, 8192 x 128256 bf16: forward 0.709 ms (0.901 without), fwd+bwd 1.640 (1.973).
+    x_next = tl.load(x_row + cols, mask=(cols < n_cols) & (n_read > 0), other=0.0)
     for start in range(0, n_read, BLOCK_N):
         c = start + cols
         mask = c < n_cols
-        z = _capped(tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+        x_block = x_next
+        x_next = tl.load(x_row + c + BLOCK_N, mask=(c + BLOCK_N < n_cols) & (start + BLOCK_N < n_read), other=0.0)
+        z = _capped(x_block.to(tl.float32), softcap, HAS_SOFTCAP)
         z = tl.where(mask, z, float("-inf"))
         bigger = z > m_vec
         e = tl.exp(tl.where(bigger, m_vec - z, z - m_vec))
@@ -156,10 +162,16 @@ def _cross_entropy_fwd_kernel(
         smooth = scale * label_smoothing / n_cols
         hit = scale * (1.0 - label_smoothing)
         n_blocks = tl.where(valid, tl.cdiv(n_cols, BLOCK_N), 0)
+        last = (n_blocks - 1) * BLOCK_N + cols
+        x_next = tl.load(x_row + last, mask=(last < n_cols) & (n_blocks > 0), other=0.0)
         for i in range(0, n_blocks):
             c = (n_blocks - 1 - i) * BLOCK_N + cols
             mask = c < n_cols
-            z = _capped(tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            x_block = x_next
+            # the block before, loaded ahead (before this block's gradient is stored: in place
+            # the store lands on this block only, so the order is safe)
+            x_next = tl.load(x_row + c - BLOCK_N, mask=(c >= BLOCK_N) & (i + 1 < n_blocks), other=0.0)
+            z = _capped(x_block.to(tl.float32), softcap, HAS_SOFTCAP)
             g = tl.exp(z - lse) * p_coef - smooth - tl.where(c == t, hit, 0.0)
             if HAS_SOFTCAP:
                 tanh = z / softcap
