@@ -105,14 +105,14 @@ def num_programs_for(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def row_settings(n_cols: int) -> tuple[int, int]:
+def row_settings(n_cols: int, values_per_thread: int = 16) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for kernels that hold one row (or one row block) per program.
 
-    Warps grow with the block so each thread holds 8 to 16 values: enough 16-byte loads
-    in flight per thread without spilling.
+    Warps grow with the block so each thread holds ``values_per_thread`` values (when the
+    block is large enough): enough 16-byte loads in flight per thread without spilling.
     """
     block = min(triton.next_power_of_2(max(n_cols, 1)), MAX_ROW_BLOCK)
-    num_warps = max(1, min(16, block // 512))
+    num_warps = max(1, min(16, block // (32 * values_per_thread)))
     return block, num_warps
 
 

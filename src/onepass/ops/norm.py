@@ -290,7 +290,10 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
         return y, h, mean, rstd
     res2 = as_rows(residual) if residual is not None else x2
     y2, h2 = y.view(m, n), (h.view(m, n) if residual is not None else y.view(m, n))
-    block, num_warps = row_settings(n)
+    # 32 values a thread in the forward: H200, 16384 x 4096 bf16, LayerNorm 0.0719 ms on
+    # 4 warps against 0.0762 ms on 8 (RMSNorm and the residual variant: the same either way);
+    # the backward keeps 16 (8 warps: 0.121 ms, 4 warps: 0.125 ms).
+    block, num_warps = row_settings(n, values_per_thread=32)
     weight, bias = (t.contiguous() if t is not None else None for t in (weight, bias))
     _norm_fwd_kernel[(m,)](
         x2, res2, weight if weight is not None else x2, bias if bias is not None else x2, y2, h2, mean, rstd,
