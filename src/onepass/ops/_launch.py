@@ -116,15 +116,6 @@ def row_settings(n_cols: int, values_per_thread: int = 16) -> tuple[int, int]:
     return block, num_warps
 
 
-# Elementwise kernels: 4096 elements a program and 8 warps (16 values a thread).
-ELEMENTWISE_BLOCK = 4096
-ELEMENTWISE_WARPS = 8
-
-
-def elementwise_grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, ELEMENTWISE_BLOCK),)
-
-
 # ------------------------------------------------------------------- eager fast path
 
 
