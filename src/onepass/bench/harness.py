@@ -13,7 +13,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -45,7 +45,6 @@ class Row:
     peak_mib: float | None = None
     error: str | None = None
     onepass_speedup: float | None = None  # this variant's ms / onepass's ms (>1: onepass faster)
-    extra: dict = field(default_factory=dict)
 
 
 def measure_ceilings() -> Ceilings:

@@ -100,15 +100,22 @@ def _tile(pid_m, pid_n, n_rows, n_cols, row_stride, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _pre_activation(x_ptr, b_ptr, offs, cols, mask, n_cols, HAS_BIAS: tl.constexpr):
+    """z = x (+ bias along the columns) for one tile, in fp32."""
+    z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    return z
+
+
+@triton.jit
 def _act_fwd_kernel(
     x_ptr, u_ptr, b_ptr, y_ptr, n_rows, n_cols, x_row_stride, u_row_stride,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(n_cols, BLOCK_N)
     offs, cols, mask = _tile(pid_m, pid_n, n_rows, n_cols, x_row_stride, BLOCK_M, BLOCK_N)
-    z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    z = _pre_activation(x_ptr, b_ptr, offs, cols, mask, n_cols, HAS_BIAS)
     y, _ = _act_and_grad(z, ACT, False)
     if GATED:
         u_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, u_row_stride, BLOCK_M, BLOCK_N)
@@ -128,9 +135,7 @@ def _act_bwd_kernel(
     dy_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, dy_row_stride, BLOCK_M, BLOCK_N)
     out_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, n_cols, BLOCK_M, BLOCK_N)
     dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    z = _pre_activation(x_ptr, b_ptr, offs, cols, mask, n_cols, HAS_BIAS)
     a, da = _act_and_grad(z, ACT, True)
     if GATED:
         u_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, u_row_stride, BLOCK_M, BLOCK_N)
