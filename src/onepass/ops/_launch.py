@@ -14,6 +14,8 @@ import os
 import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
+from triton import knobs
+from triton.runtime import driver
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -114,6 +116,44 @@ def row_settings(n_cols: int, values_per_thread: int = 16) -> tuple[int, int]:
     block = min(triton.next_power_of_2(max(n_cols, 1)), MAX_ROW_BLOCK)
     num_warps = max(1, min(16, block // (32 * values_per_thread)))
     return block, num_warps
+
+
+# ---------------------------------------------------------------------- lean launch
+
+# (kernel, device, specialization, options) -> the compiled kernel Triton returned for it
+_compiled_kernels: dict = {}
+
+
+def _launch_hooks_set() -> bool:
+    hook = knobs.runtime.launch_enter_hook
+    return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+
+
+def launch(kernel, grid: tuple, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)``, with half its host time on a GPU.
+
+    Triton's own launch (3.6) costs ~18 us of host time a call on an H200 host, ~7 us of
+    it bookkeeping around two steps that matter: the binder (which specializes the
+    arguments: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16) and the
+    compiled kernel's launcher (~5 us). This keeps, per specialization the binder reports,
+    the compiled kernel Triton returned for it, and calls its launcher directly. The first
+    call of each specialization, the interpreter, and runs with Triton launch hooks set
+    (profilers such as proton) take Triton's own path.
+    """
+    if interpreting() or _launch_hooks_set():
+        kernel[grid](*args, **meta)
+        return
+    device = driver.active.get_current_device()
+    bound, specialization, options = kernel.device_caches[device][4](*args, **meta)
+    key = (kernel, device, tuple(specialization), tuple(options.items()), knobs.runtime.debug,
+           knobs.compilation.instrumentation_mode)
+    compiled = _compiled_kernels.get(key)
+    if compiled is None:
+        _compiled_kernels[key] = kernel[grid](*args, **meta)
+        return
+    grid = (*grid, 1, 1)
+    compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *bound.values())
 
 
 # ------------------------------------------------------------------- eager fast path

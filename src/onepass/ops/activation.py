@@ -18,9 +18,10 @@ Byte budget (M x N elements of size s; nothing is recomputed from HBM twice):
     bias_gelu fwd    read x, write x+b; read, write (4)    read x; write y           2 MNs
     bias_gelu bwd    ~5 MNs + the bias reduction           read dy, x; write dx      3 MNs
 
-Both kernels tile the [rows, last dim] view in [BLOCK_M, BLOCK_N] tiles, one per program,
-so the bias is indexed by column (no modulo) and the bias gradient is reduced per tile
-into a small [row tiles, N] fp32 buffer, summed once at the end.
+Both kernels tile the [rows, last dim] view in [BLOCK_M, BLOCK_N] tiles, so the bias is
+indexed by column (no modulo). The forward takes one tile a program; a backward program
+walks a run of tiles down its columns and sums their bias gradient in registers, so the
+fp32 partials are one row a program ([programs / column tiles, N]), summed once at the end.
 """
 
 from __future__ import annotations
@@ -40,23 +41,27 @@ from onepass.ops._launch import (
     check_same_shape,
     check_vector,
     eager_autograd,
+    launch,
+    num_programs_for,
     route,
     use_triton,
 )
+from onepass.ops._partials import sum_partials
 
 # Activation ids, compile-time constants of the kernels.
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU = {"tanh": GELU_TANH, "none": GELU_ERF}
 
 # Tile settings: (BLOCK_M, BLOCK_N, num_warps). Without a bias the tensors are viewed as
-# one long row (TILE_FLAT). The bias backward takes taller tiles so its per-tile bias
-# partials ([M / BLOCK_M, N] fp32) stay near 1% of the traffic.
+# one long row (TILE_FLAT). With a bias, backward programs loop down their columns
+# (BIAS_BWD_PROGRAMS_PER_SM programs a SM), one fp32 partial row of the bias gradient each.
 # H200, bf16 16384 x 8192 (benchmarks/tune_rowwise.py): swiglu flat 2048/8 warps fwd 0.189 ms,
 # bwd 0.315 ms (100% of copy bandwidth; 4096/8: 0.192, 0.316); bias_gelu 32x256/4 warps fwd
 # 0.137 ms (1x4096/8: 0.146); bias backward 16x512/4 warps 0.260 ms (64x64/4: 0.268, 1x4096: 0.469).
 TILE_FLAT = (1, 2048, 8)
 TILE_BIAS = (32, 256, 4)
 TILE_BIAS_BWD = (16, 512, 4)
+BIAS_BWD_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -126,27 +131,49 @@ def _act_fwd_kernel(
 
 @triton.jit
 def _act_bwd_kernel(
-    dy_ptr, x_ptr, u_ptr, b_ptr, dx_ptr, du_ptr, db_part_ptr, n_rows, n_cols, dy_row_stride, x_row_stride,
-    u_row_stride,
+    dy_ptr, x_ptr, u_ptr, b_ptr, dx_ptr, du_ptr, db_part_ptr, n_rows, n_cols, tiles_per_program,
+    dy_row_stride, x_row_stride, u_row_stride,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(n_cols, BLOCK_N)
-    offs, cols, mask = _tile(pid_m, pid_n, n_rows, n_cols, x_row_stride, BLOCK_M, BLOCK_N)
-    dy_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, dy_row_stride, BLOCK_M, BLOCK_N)
-    out_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, n_cols, BLOCK_M, BLOCK_N)
-    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-    z = _pre_activation(x_ptr, b_ptr, offs, cols, mask, n_cols, HAS_BIAS)
-    a, da = _act_and_grad(z, ACT, True)
-    if GATED:
-        u_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, u_row_stride, BLOCK_M, BLOCK_N)
-        u = tl.load(u_ptr + u_offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(du_ptr + out_offs, (dy * a).to(du_ptr.dtype.element_ty), mask=mask)
-        dy *= u
-    dz = dy * da
-    tl.store(dx_ptr + out_offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+    """Program (column tile, row group) walks ``tiles_per_program`` tiles down its columns,
+    the next tile's dy and x loaded before this one's math; the bias gradient of its
+    columns is summed in registers and stored once, as the group's partial row."""
+    pid_n = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    first = group * tiles_per_program * BLOCK_M
+    n_tiles = tl.minimum(tiles_per_program, tl.cdiv(n_rows - first, BLOCK_M))
     if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    db = tl.zeros([BLOCK_N], tl.float32)
+    rows = first + r
+    mask = (rows[:, None] < n_rows) & col_ok[None, :] & (n_tiles > 0)
+    dy_next = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    x_next = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    for i in range(0, n_tiles):
+        rows = first + i * BLOCK_M + r
+        mask = (rows[:, None] < n_rows) & col_ok[None, :]
+        dy, z = dy_next.to(tl.float32), x_next.to(tl.float32)
+        nxt = rows + BLOCK_M
+        more = (nxt[:, None] < n_rows) & col_ok[None, :] & (i + 1 < n_tiles)
+        dy_next = tl.load(dy_ptr + nxt[:, None] * dy_row_stride + cols[None, :], mask=more, other=0.0)
+        x_next = tl.load(x_ptr + nxt[:, None] * x_row_stride + cols[None, :], mask=more, other=0.0)
+        if HAS_BIAS:
+            z += bias
+        a, da = _act_and_grad(z, ACT, True)
+        out = rows[:, None] * n_cols + cols[None, :]
+        if GATED:
+            u = tl.load(u_ptr + rows[:, None] * u_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(du_ptr + out, (dy * a).to(du_ptr.dtype.element_ty), mask=mask)
+            dy *= u
+        dz = dy * da
+        tl.store(dx_ptr + out, dz.to(dx_ptr.dtype.element_ty), mask=mask)
         # masked elements hold dz = 0 (dy loaded as 0), so the column sum is exact
-        tl.store(db_part_ptr + pid_m * n_cols + cols, tl.sum(dz, axis=0), mask=cols < n_cols)
+        db += tl.sum(dz, axis=0)
+    if HAS_BIAS:
+        tl.store(db_part_ptr + group * n_cols + cols, db, mask=col_ok)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -171,7 +198,7 @@ def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act
     bias = bias.contiguous() if bias is not None else None
     tile = TILE_BIAS if bias is not None else TILE_FLAT
     block_m, block_n, num_warps = tile
-    _act_fwd_kernel[_grid(m, n, tile)](
+    launch(_act_fwd_kernel, _grid(m, n, tile),
         x2, u2, bias if bias is not None else x2, y, m, n, x2.stride(0), u2.stride(0),
         ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
@@ -183,22 +210,28 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
                     ) -> tuple[Tensor, Tensor, Tensor]:
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     du = torch.empty(x.shape, dtype=up.dtype, device=x.device) if up is not None else x.new_empty(0)
-    tile = TILE_BIAS_BWD if bias is not None else TILE_FLAT
+    block_m, block_n, num_warps = TILE_BIAS_BWD if bias is not None else TILE_FLAT
     x2 = _rows(x, bias is not None)
     m, n = x2.shape
-    db_rows = triton.cdiv(m, tile[0]) if bias is not None else 0
-    db_part = torch.empty((db_rows, n), dtype=torch.float32, device=x.device)
+    col_tiles, row_tiles = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    # with a bias, enough row groups to fill the device; each owns one partial row of db
+    groups = 1
+    if bias is not None and m:
+        groups = max(1, min(row_tiles, num_programs_for(x.device) * BIAS_BWD_PROGRAMS_PER_SM // col_tiles))
+    tiles_per_program = triton.cdiv(row_tiles, groups)
+    groups = triton.cdiv(row_tiles, tiles_per_program) if m else 0
+    db_part = torch.empty((groups if bias is not None else 0, n), dtype=torch.float32, device=x.device)
     if x.numel():
         bias = bias.contiguous() if bias is not None else None
         dy2 = _rows(dy, bias is not None)
         u2 = _rows(up, False) if up is not None else x2
-        _act_bwd_kernel[_grid(m, n, tile)](
+        launch(_act_bwd_kernel, (col_tiles, groups),
             dy2, x2, u2, bias if bias is not None else x2, dx, du if up is not None else dx, db_part,
-            m, n, dy2.stride(0), x2.stride(0), u2.stride(0),
-            ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=tile[0], BLOCK_N=tile[1],
-            num_warps=tile[2],
+            m, n, tiles_per_program, dy2.stride(0), x2.stride(0), u2.stride(0),
+            ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps,
         )
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
+    db = sum_partials(db_part, bias.dtype) if bias is not None else x.new_empty(0)
     return dx, du, db
 
 

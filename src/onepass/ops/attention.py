@@ -56,7 +56,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, eager_autograd, interpreting, route, use_triton
+from onepass.ops._launch import check_float, check_same_device, eager_autograd, interpreting, launch, route, use_triton
 from onepass.reference.attention import window_bounds
 
 MAX_HEAD_DIM = 256
@@ -573,7 +573,7 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     if q.numel() == 0:
         return o, lse
     block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
-    _attn_fwd_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
+    launch(_attn_fwd_kernel, g.grid(block_m, g.heads, g.seqlen_q),
         q, k, v, o, lse, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.lse_strides(),
         g.seqlen_q, g.seqlen_k, g.heads, g.group, *g.seq_args(), scale, softcap or 1.0, before, after,
@@ -600,7 +600,7 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     masks = (scale, softcap or 1.0, before, after)
 
     block_m = launch_config("dq", g.head_dim, q.dtype)[0]
-    _attn_bwd_preprocess_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
+    launch(_attn_bwd_preprocess_kernel, g.grid(block_m, g.heads, g.seqlen_q),
         o, do, dlse if dlse is not None else lse, delta, g.cu(lse),
         *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *g.seq_args(),
         HAS_DLSE=dlse is not None, VARLEN=g.varlen, HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_D=g.block_d,
@@ -608,7 +608,7 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     )
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if DQ_ATOMIC else dq
     block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
-    _attn_bwd_dkdv_kernel[g.grid(block_n, g.kv_heads, g.seqlen_k)](
+    launch(_attn_bwd_dkdv_kernel, g.grid(block_n, g.kv_heads, g.seqlen_k),
         q, k, v, do, lse, delta, dk, dv, dq_acc, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
         *g.strides(dq_acc), *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *g.seq_args(), *masks,
@@ -617,7 +617,7 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     if DQ_ATOMIC:
         return dq.copy_(dq_acc), dk, dv
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
-    _attn_bwd_dq_kernel[g.grid(block_m, g.heads, g.seqlen_q)](
+    launch(_attn_bwd_dq_kernel, g.grid(block_m, g.heads, g.seqlen_q),
         q, k, v, do, lse, delta, dq, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dq), *g.lse_strides(),
         g.seqlen_q, g.seqlen_k, g.heads, g.group, *g.seq_args(), *masks,

@@ -53,7 +53,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from onepass import reference
-from onepass.ops._launch import as_rows, check_float, check_same_device, flat, num_programs_for, use_triton
+from onepass.ops._launch import as_rows, check_float, check_same_device, flat, launch, num_programs_for, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -211,7 +211,8 @@ def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
     counts = torch.zeros(2, dtype=torch.int32, device=target.device)
     n = target.numel()
     if n:
-        _targets_kernel[(triton.cdiv(n, TARGET_BLOCK),)](target, counts, n, n_cols, ignore_index, BLOCK=TARGET_BLOCK)
+        launch(_targets_kernel, (triton.cdiv(n, TARGET_BLOCK),), target, counts, n, n_cols, ignore_index,
+               BLOCK=TARGET_BLOCK)
     message = f"cross_entropy: a target is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
     if target.is_cuda:
         torch._assert_async(counts[1] == 0, message)
@@ -233,7 +234,7 @@ def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reductio
         return
     block, num_warps = ce_settings(n_cols)
     write_grad = grad2 is not None
-    _cross_entropy_fwd_kernel[(rows,)](
+    launch(_cross_entropy_fwd_kernel, (rows,),
         x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else lse, counts, scale,
         x2.stride(0), grad2.stride(0) if write_grad else 0, scale.stride(0) if scale.dim() else 0,
         n_cols, ignore_index, label_smoothing, z_loss, softcap or 1.0,
@@ -278,7 +279,7 @@ def scale_rows_(grad2: Tensor, dloss: Tensor) -> None:
         dloss = dloss.contiguous()
     programs = max(1, min(rows, num_programs_for(grad2.device) * 4))
     block, num_warps = ce_settings(n_cols)
-    _cross_entropy_bwd_kernel[(programs,)](
+    launch(_cross_entropy_bwd_kernel, (programs,),
         grad2, dloss, grad2.stride(0), 1 if dloss.numel() > 1 else 0, rows, n_cols, triton.cdiv(rows, programs),
         BLOCK_N=block, num_warps=num_warps,
     )

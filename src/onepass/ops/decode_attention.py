@@ -33,7 +33,15 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, interpreting, num_programs_for, route, use_triton
+from onepass.ops._launch import (
+    check_float,
+    check_same_device,
+    interpreting,
+    launch,
+    num_programs_for,
+    route,
+    use_triton,
+)
 from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_finish, block_d_for, precision_for
 
 # (BLOCK_N, num_warps, num_stages) per padded head dim (head dims up to 64 use the 64
@@ -146,7 +154,7 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     rows = batch * heads * n_tokens
     o_part = torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((rows, splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(splits, batch * kv_heads)](
+    launch(_decode_split_kernel, (splits, batch * kv_heads),
         qv, kv, vv, cache_seqlens, o_part, lse_part,
         *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3],
         kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0,
@@ -155,7 +163,7 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
         PRECISION=precision_for(q.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )
-    _decode_merge_kernel[(rows,)](
+    launch(_decode_merge_kernel, (rows,),
         o_part, lse_part, ov, heads, n_tokens, splits, *ov.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=MERGE_WARPS,
     )

@@ -46,11 +46,13 @@ from onepass.ops._launch import (
     check_same_shape,
     check_vector,
     eager_autograd,
+    launch,
     num_programs_for,
     route,
     row_settings,
     use_triton,
 )
+from onepass.ops._partials import sum_partials
 
 # Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
 # H200, bf16 16384 x 4096, rms backward (benchmarks/tune_rowwise.py): 2 a SM 0.120 ms,
@@ -295,7 +297,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     # the backward keeps 16 (8 warps: 0.121 ms, 4 warps: 0.125 ms).
     block, num_warps = row_settings(n, values_per_thread=32)
     weight, bias = (t.contiguous() if t is not None else None for t in (weight, bias))
-    _norm_fwd_kernel[(m,)](
+    launch(_norm_fwd_kernel, (m,),
         x2, res2, weight if weight is not None else x2, bias if bias is not None else x2, y2, h2, mean, rstd,
         x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
         n, eps, dropout_p, seed,
@@ -331,7 +333,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, see
     if m > 0 and n > 0:
         weight = weight.contiguous() if weight is not None else None
         dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dres.view(m, n))
-        _norm_bwd_kernel[(programs,)](
+        launch(_norm_bwd_kernel, (programs,),
             dy2, dh_out2, h2, weight if weight is not None else h2, mean, rstd, dres2, dx2,
             dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
             dy2.stride(0), dh_out2.stride(0), h2.stride(0), dres2.stride(0), dx2.stride(0),
@@ -340,8 +342,8 @@ def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, see
             HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, BLOCK_N=block, ONE_BLOCK=one_block,
             num_warps=num_warps,
         )
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else h.new_empty(0)
-    db = db_part.sum(0) if has_bias else h.new_empty(0)
+    dw = sum_partials(dw_part, weight.dtype) if weight is not None else h.new_empty(0)
+    db = sum_partials(db_part, torch.float32) if has_bias else h.new_empty(0)
     return dres, dx, dw, db
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, eager_autograd, route, use_triton
+from onepass.ops._launch import check_float, check_same_device, eager_autograd, launch, route, use_triton
 
 # Launch tunables: a program rotates about TILE_ELEMENTS values (BLOCK_H heads x R dims)
 # with NUM_WARPS warps. H200, q [4,32,4096,128] k [4,8,4096,128] bf16 forward: 1024 / 1 warp
@@ -180,7 +180,7 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     rot = cos.shape[-1]
     block_h, block_half, block_rest = _settings(rot, d, max(hq, hk))
     q_blocks = triton.cdiv(hq, block_h)
-    _rope_kernel[(b * s, q_blocks + triton.cdiv(hk, block_h))](
+    launch(_rope_kernel, (b * s, q_blocks + triton.cdiv(hk, block_h)),
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
         s, hq, hk, q_blocks, cos.shape[-2],
         *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(q_out, layout), *_bsh_strides(k_out, layout),
