@@ -69,11 +69,14 @@ def sweep_activation(copy):
               f"bwd {bwd_ms:7.3f} ms {bwd_gbps / copy:6.1%}")
     tiles = [(1, 4096), (2, 2048), (4, 1024), (8, 512), (16, 256), (32, 128), (8, 1024), (16, 512), (32, 256)]
     for (bm, bn), warps in itertools.product(tiles, (4, 8)):
-        act.TILE_BIAS = act.TILE_BIAS_BWD = (bm, bn, warps)
+        act.TILE_BIAS = (bm, bn, warps)
         fwd_ms, fwd_gbps = bench(lambda: act._act_fwd(g, None, b, act.GELU_TANH), 2 * size)
+        print(f"bias_gelu fwd tile={bm}x{bn} warps={warps} {fwd_ms:7.3f} ms {fwd_gbps / copy:6.1%}")
+    bwd_tiles = [(4, 2048, 8), (2, 2048, 4), (2, 4096, 8), (4, 4096, 16), (8, 2048, 8), (4, 1024, 4), (16, 512, 4)]
+    for (bm, bn, warps), per_sm in itertools.product(bwd_tiles, (2, 4, 8)):
+        act.TILE_BIAS_BWD, act.BIAS_BWD_PROGRAMS_PER_SM = (bm, bn, warps), per_sm
         bwd_ms, bwd_gbps = bench(lambda: act._act_bwd(dy, g, None, b, act.GELU_TANH), 3 * size)
-        print(f"bias_gelu tile={bm}x{bn} warps={warps} fwd {fwd_ms:7.3f} ms {fwd_gbps / copy:6.1%} | "
-              f"bwd {bwd_ms:7.3f} ms {bwd_gbps / copy:6.1%}")
+        print(f"bias_gelu bwd tile={bm}x{bn} warps={warps} per_sm={per_sm} {bwd_ms:7.3f} ms {bwd_gbps / copy:6.1%}")
 
 
 def profile_step():

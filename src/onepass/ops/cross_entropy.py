@@ -163,14 +163,18 @@ def _cross_entropy_fwd_kernel(
         hit = scale * (1.0 - label_smoothing)
         n_blocks = tl.where(valid, tl.cdiv(n_cols, BLOCK_N), 0)
         last = (n_blocks - 1) * BLOCK_N + cols
-        x_next = tl.load(x_row + last, mask=(last < n_cols) & (n_blocks > 0), other=0.0)
+        # pass 2 is the last read of the logits: evict_first keeps L2 for the rows still in pass 1
+        # (H200, 8192 x 128256 bf16: forward with the gradient 1.657 -> 1.608 ms)
+        x_next = tl.load(x_row + last, mask=(last < n_cols) & (n_blocks > 0), other=0.0,
+                         eviction_policy="evict_first")
         for i in range(0, n_blocks):
             c = (n_blocks - 1 - i) * BLOCK_N + cols
             mask = c < n_cols
             x_block = x_next
             # the block before, loaded ahead (before this block's gradient is stored: in place
             # the store lands on this block only, so the order is safe)
-            x_next = tl.load(x_row + c - BLOCK_N, mask=(c >= BLOCK_N) & (i + 1 < n_blocks), other=0.0)
+            x_next = tl.load(x_row + c - BLOCK_N, mask=(c >= BLOCK_N) & (i + 1 < n_blocks), other=0.0,
+                             eviction_policy="evict_first")
             z = _capped(x_block.to(tl.float32), softcap, HAS_SOFTCAP)
             g = tl.exp(z - lse) * p_coef - smooth - tl.where(c == t, hit, 0.0)
             if HAS_SOFTCAP:
