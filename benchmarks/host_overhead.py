@@ -13,6 +13,7 @@ import time
 import torch
 
 import onepass.ops.norm as norm
+from onepass.ops._launch import launch
 
 ROWS, N = 16384, 4096
 
@@ -84,7 +85,14 @@ def main():
             fn(x, w).backward(dy)
         return run
 
+    y = torch.empty_like(xs)
+    kernel_args = (xs, xs, ws, xs, y, y, mean, rstd, N, N, N, N, N, 1e-6, 0.0, 0)
+    kernel_meta = dict(IS_RMS=True, HAS_RESIDUAL=False, HAS_DROPOUT=False, HAS_WEIGHT=True, HAS_BIAS=False,
+                       BLOCK_N=N, ONE_BLOCK=True, num_warps=4)
     rows = {
+        "norm fwd kernel, kernel[grid] (64 rows)": lambda: norm._norm_fwd_kernel[(64,)](*kernel_args, **kernel_meta),
+        "norm fwd kernel, onepass launch() (64 rows)": lambda: launch(norm._norm_fwd_kernel, (64,), *kernel_args,
+                                                                      **kernel_meta),
         "fwd launcher (64 rows)": lambda: norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype),
         "bwd launcher (64 rows)": lambda: norm._norm_bwd_launch(dys, None, xs, ws, False, mean, rstd, 0.0, 0, True,
                                                                 xs.dtype, False),
@@ -111,7 +119,7 @@ def main():
         pass
     for name, fn in rows.items():
         host, total = host_us(fn)
-        print(f"{name:<44} host {host:7.1f} us   with GPU {total:7.1f} us")
+        print(f"{name:<46} host {host:7.1f} us   with GPU {total:7.1f} us")
     step_public = rows["fwd+bwd step, public op"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(20):
