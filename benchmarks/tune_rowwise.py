@@ -47,7 +47,7 @@ def sweep_norm(copy):
         for per_sm in (1, 2, 4):
             norm.BWD_PROGRAMS_PER_SM = per_sm
             ms, gbps = bench(lambda: norm._norm_bwd_launch(dy, None, x, w, False, rstd, rstd, 0.0, 0, True, x.dtype,
-                                                           False),
+                                                           False, False),
                              3 * size)
             print(f"norm rms bwd warps={warps:<3} per_sm={per_sm} "
                   f"{ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")

@@ -81,6 +81,24 @@ def test_empty_input(kind, device):
     assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("leaves", [True, False])
+def test_residual_gradients_of_leaves_and_of_intermediates(leaves, device):
+    """Leaf x and residual get two gradient tensors from the kernel (no clone by autograd);
+    intermediates share one. Either way both gradients are d(loss)/dh."""
+    x0 = torch.randn(6, 50, device=device, requires_grad=True)
+    r0 = torch.randn(6, 50, device=device, requires_grad=True)
+    w = torch.randn(50, device=device)
+    x, res = (x0, r0) if leaves else (x0 * 1.0, r0 * 1.0)
+    y, h = ops.add_rms_norm(x, res, w)
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    torch.autograd.backward((y, h), (gy, gh))
+    hd = (r0 + x0).detach().double().requires_grad_(True)
+    torch.autograd.backward((reference.rms_norm(hd, w.double()), hd), (gy.double(), gh.double()))
+    assert x0.grad.data_ptr() != r0.grad.data_ptr()
+    assert_close(x0.grad, hd.grad, torch.float32, "dx")
+    assert_close(r0.grad, hd.grad, torch.float32, "dres")
+
+
 def test_mixed_dtypes_fuse_the_casts(device):
     """fp32 residual stream, bf16 branch, bf16 normed output: h stays fp32."""
     x = torch.randn(5, 96, dtype=torch.bfloat16, device=device)

@@ -308,12 +308,16 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     return y, h, mean, rstd
 
 
-def _writes_dx(has_residual, dropout_p, x_dtype, h_dtype):
-    """dx differs from d(residual) only through dropout or a dtype change."""
-    return has_residual and (dropout_p > 0 or x_dtype != h_dtype)
+def _writes_dx(has_residual, dropout_p, x_dtype, h_dtype, leaves):
+    """dx differs from d(residual) only through dropout or a dtype change. When x and the
+    residual are both leaves, dx is written too: autograd would otherwise clone the one
+    shared gradient for the second leaf's ``.grad`` (a separate copy kernel, ~2x the bytes
+    of the extra write). Inside a model they are not leaves and share one tensor."""
+    return has_residual and (dropout_p > 0 or x_dtype != h_dtype or leaves)
 
 
-def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual):
+def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual,
+                     leaves):
     n = h.shape[-1]
     h2 = as_rows(h)
     m = h2.shape[0]
@@ -322,7 +326,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, see
     # d(residual) in the stream's dtype; dx is written separately only when it differs
     # from it (dropout, or x in another dtype than the residual stream).
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype)
+    write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else dres.new_empty(0)
     programs = max(1, min(m, num_programs_for(h.device) * BWD_PROGRAMS_PER_SM))
     block, num_warps = row_settings(n)
@@ -370,18 +374,18 @@ def _(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
 @torch.library.custom_op("onepass::norm_bwd", mutates_args=())
 def _norm_bwd(
     dy: Tensor, dh_out: Optional[Tensor], h: Tensor, weight: Optional[Tensor], has_bias: bool, mean: Tensor,
-    rstd: Tensor, dropout_p: float, seed: int, is_rms: bool, x_dtype: torch.dtype, has_residual: bool,
+    rstd: Tensor, dropout_p: float, seed: int, is_rms: bool, x_dtype: torch.dtype, has_residual: bool, leaves: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (d_h, dx, dw, db): d_h is the residual's gradient (x's without a residual);
     dx is empty unless dropout or a dtype change makes it differ from d_h; dw and db are
     empty where there is no weight or bias; db is fp32."""
     return _norm_bwd_launch(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype,
-                            has_residual)
+                            has_residual, leaves)
 
 
 @_norm_bwd.register_fake
-def _(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual):
-    write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype)
+def _(dy, dh_out, h, weight, has_bias, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual, leaves):
+    write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty_like(h, dtype=x_dtype) if write_dx else h.new_empty(0)
     dw = weight.new_empty(weight.shape) if weight is not None else h.new_empty(0)
     db = h.new_empty(h.shape[-1], dtype=torch.float32) if has_bias else h.new_empty(0)
@@ -398,6 +402,7 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual = residual is not None
+    ctx.leaves = residual is not None and x.is_leaf and residual.is_leaf
     ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype = dropout_p, seed, is_rms, x.dtype
 
 
@@ -407,12 +412,12 @@ def _backward(ctx, dy, dh_out, _dmean, _drstd):
         dy = torch.zeros_like(h)
     d_h, dx, dw, db = route(_norm_bwd, _norm_bwd_launch, h)(
         dy, dh_out if ctx.has_residual else None, h, weight, ctx.has_bias, mean, rstd,
-        ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual)
+        ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual, ctx.leaves)
     dw = dw if weight is not None else None
     db = db.to(ctx.bias_dtype) if ctx.has_bias else None
     if not ctx.has_residual:
         return d_h, None, dw, db, None, None, None, None, None
-    writes_dx = _writes_dx(True, ctx.dropout_p, ctx.x_dtype, h.dtype)
+    writes_dx = _writes_dx(True, ctx.dropout_p, ctx.x_dtype, h.dtype, ctx.leaves)
     return dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None
 
 
