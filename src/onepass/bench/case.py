@@ -28,6 +28,7 @@ class Case:
     bytes: int = 0  # minimum HBM bytes one step must move
     flops: int = 0  # floating-point operations of one step
     measure_memory: bool = False  # also report each variant's peak memory above its inputs
+    cuda_graph: bool = False  # time every variant by replaying a CUDA graph of its step (no host launch cost)
 
 
 def fwd(fn: Callable, *args, **kwargs) -> Thunk:

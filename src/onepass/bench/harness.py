@@ -1,6 +1,7 @@
 """The one benchmark harness: ceilings first, then every variant of every case in one run.
 
-For each case it times each variant with ``triton.testing.do_bench`` (median), derives
+For each case it times each variant with ``triton.testing.do_bench`` (median; cases marked
+``cuda_graph`` by replaying a CUDA graph of the step, ``do_bench_cudagraph``), derives
 GB/s from the case's minimum bytes and TFLOP/s from its FLOPs, the fraction of the copy
 bandwidth and matmul rate measured in the same run, and each peer's time over onepass's.
 Results go to ``<out>/<gpu>/<suite>.json`` and a Markdown table beside it.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from onepass.bench.case import Case
 
@@ -82,7 +83,8 @@ def run_case(case: Case, ceilings: Ceilings, log=print) -> list[Row]:
         row = Row(case.op, case.mode, case.shape, name)
         try:
             thunk()  # compile / autotune outside the timed region
-            row.ms = do_bench(thunk, warmup=25, rep=100, return_mode="median")
+            row.ms = (do_bench_cudagraph(thunk, rep=100, return_mode="median") if case.cuda_graph
+                      else do_bench(thunk, warmup=25, rep=100, return_mode="median"))
             if case.bytes:
                 row.gbps = case.bytes / row.ms / 1e6
                 row.frac_copy = row.gbps / ceilings.copy_gbps

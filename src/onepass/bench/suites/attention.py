@@ -8,6 +8,10 @@ FLOPs: 4 * B * H * S^2 * D forward (half of it causal), 3.5x that forward + back
 Decode: one new token, 32 q heads / 8 kv heads, caches of 4k, 32k, 128k positions (all
 valid), batch 1 and 8, against SDPA (enable_gqa) and the HF-style eager loop. Bytes: one
 read of the K and V caches, so "% copy" is the fraction of the copy bandwidth reached.
+Each decode shape is timed twice: called from Python ("fwd", host launch cost included),
+and as a generation loop runs it ("fwd, CUDA graph"): one graph replaying the decode
+attention of enough layers, each with its own cache, that their caches together exceed
+256 MiB (no layer's cache is still in L2 when it is read again).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ TOKENS, HEADS, HEAD_DIM = 16384, 32, 128
 SEQ_LENS = (1024, 4096, 16384)
 EAGER_MAX_SEQ = 1024  # the eager version writes B*H*S^2 fp32 scores (and more for backward)
 DECODE_BATCHES, DECODE_CACHE_LENS, DECODE_Q_HEADS, DECODE_KV_HEADS = (1, 8), (4096, 32768, 131072), 32, 8
+DECODE_GRAPH_BYTES = 256 * 2**20  # the caches of one graph-replayed decode step, at least
 
 
 def _sdpa(backend):
@@ -72,15 +77,20 @@ def _make_prefill(seq_len: int, causal: bool, mode: str):
     return make
 
 
-def _make_decode(batch: int, cache_len: int):
+def _make_decode(batch: int, cache_len: int, layers: int = 1, graph: bool = False):
     def make():
         q = torch.randn(batch, DECODE_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
-        k, v = (torch.randn(batch, DECODE_KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+        caches = [[torch.randn(batch, DECODE_KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE)
+                   for _ in range(2)] for _ in range(layers)]
         seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+
+        def each_layer(fn, *args, **kwargs):
+            return lambda: [fn(q, k, v, *args, **kwargs) for k, v in caches]
+
         return variants(**{
-            "onepass": fwd(ops.decode_attention, q, k, v, seqlens),
-            "sdpa (enable_gqa)": fwd(F.scaled_dot_product_attention, q, k, v, enable_gqa=True),
-            "eager": fwd(reference.decode_attention, q, k, v, seqlens),
+            "onepass": each_layer(ops.decode_attention, seqlens),
+            "sdpa (enable_gqa)": each_layer(F.scaled_dot_product_attention, enable_gqa=True),
+            "eager": None if graph else each_layer(reference.decode_attention, seqlens),
         })
 
     return make
@@ -99,7 +109,12 @@ def cases() -> list[Case]:
     for batch in DECODE_BATCHES:
         for cache_len in DECODE_CACHE_LENS:
             kv_bytes = 2 * batch * DECODE_KV_HEADS * cache_len * HEAD_DIM * DTYPE.itemsize
+            flops = 4 * batch * DECODE_Q_HEADS * cache_len * HEAD_DIM
             shape = f"B{batch} Hq{DECODE_Q_HEADS} Hk{DECODE_KV_HEADS} L{cache_len} D{HEAD_DIM} bf16"
             out.append(Case("decode_attention", "fwd", shape, _make_decode(batch, cache_len), bytes=kv_bytes,
-                            flops=4 * batch * DECODE_Q_HEADS * cache_len * HEAD_DIM))
+                            flops=flops))
+            layers = -(-DECODE_GRAPH_BYTES // kv_bytes)
+            out.append(Case("decode_attention", "fwd, CUDA graph", f"{shape}, {layers} layer(s)",
+                            _make_decode(batch, cache_len, layers, graph=True), bytes=layers * kv_bytes,
+                            flops=layers * flops, cuda_graph=True))
     return out
