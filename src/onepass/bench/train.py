@@ -4,8 +4,9 @@
 
 Each variant trains a fresh model (random weights, bf16, ``AdamW(fused=True)``) on the
 same random tokens with labels: eager Hugging Face (sdpa attention), ``torch.compile`` of
-it, Liger-Kernel's patch (when importable), ``onepass.optimize``, and onepass +
-``torch.compile``. After warm-up (compilation, autotuning) it times each step with CUDA
+it, Liger-Kernel's patch (when importable), ``onepass.optimize``, onepass +
+``torch.compile``, and onepass with SDPA attention or without recomputation (the
+activations it rebuilds in backward kept instead). After warm-up (compilation, autotuning) it times each step with CUDA
 events and reports the median tokens/s and the peak memory allocated during the timed
 steps (weights, gradients and optimizer state included, as ``max_memory_allocated``).
 
@@ -25,9 +26,12 @@ from typing import Callable
 
 import torch
 
-VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile", "onepass, SDPA attention")
-# optimize() switches of the onepass variants
-ONEPASS_SWITCHES = {"onepass": {}, "onepass+torch.compile": {}, "onepass, SDPA attention": {"attention": False}}
+VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile", "onepass, SDPA attention",
+            "onepass, no recompute")
+# optimize() switches of the onepass variants ("no recompute": the activations that onepass
+# recomputes in backward kept instead, to show what recomputing costs and saves)
+ONEPASS_SWITCHES = {"onepass": {}, "onepass+torch.compile": {}, "onepass, SDPA attention": {"attention": False},
+                    "onepass, no recompute": {"recompute": False}}
 
 # Timed steps after warm-up (the compiled variants compile during warm-up).
 WARMUP_STEPS = 3
@@ -142,8 +146,9 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
             import onepass
 
             report = onepass.optimize_report(model)
-            unfused = [k for k, v in report.items() if not v.startswith(("fused", "n/a"))]
-            result.note = "unfused: " + ", ".join(unfused) if unfused else "all switches fused"
+            notes = [f"{kind}: " + ", ".join(k for k, v in report.items() if v.split(":")[0] == kind)
+                     for kind in ("unfused", "off") if any(v.split(":")[0] == kind for v in report.values())]
+            result.note = "; ".join(notes) or "all switches on"
     except Exception as e:  # one variant failing (out of memory, no Liger) is reported, not fatal
         result.error = f"{type(e).__name__}: {e}"[:300]
     finally:

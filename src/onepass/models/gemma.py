@@ -9,6 +9,8 @@ layer normalises the attention output before the residual add, and again around 
 
 Gemma 2 caps attention logits (``attn_logit_softcapping``, passed to the attention
 function) and both cap the final logits (``final_logit_softcapping``, fused into the loss).
+With ``recompute``, the outputs of input_layernorm and pre_feedforward_layernorm and the
+geglu product are rebuilt in backward rather than kept (as in Llama).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from onepass.models import common
 MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
-def _layer(self, hidden_states: Tensor, **kwargs) -> Tensor:
+def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
     normed = self.input_layernorm(hidden_states)
-    attn, _ = self.self_attn(hidden_states=normed, **kwargs)
+    attn, _ = common.after_norm(recompute, lambda x: self.self_attn(hidden_states=x, **kwargs), normed,
+                                self.input_layernorm, hidden_states)
     normed, hidden_states = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), hidden_states)
-    return hidden_states + self.post_feedforward_layernorm(self.mlp(normed))
+    mlp = common.after_norm(recompute, self.mlp, normed, self.pre_feedforward_layernorm, hidden_states)
+    return hidden_states + self.post_feedforward_layernorm(mlp)
 
 
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -34,9 +38,9 @@ _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_
 def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:
     base, config = model.base_model, model.config
     layers = base.layers
-    status = {}
+    status, recompute, recomputed = {}, switches["recompute"], []
     if switches["norm"]:
-        forward = common.layer_forward(_layer)
+        forward = common.layer_forward(_layer, recompute)
         for layer in layers:
             for name in _LAYER_NORMS:
                 common.swap_rms_norm(patches, layer, name, offset=1.0)
@@ -46,12 +50,17 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
             patches.set_forward(layer, forward)
         common.swap_rms_norm(patches, base, "norm", offset=1.0)
         status["norm"] = f"{common.FUSED}: rms_norm (1 + weight); residual add + pre-MLP norm in add_rms_norm"
+        recomputed.append(("the norm outputs feeding q/k/v and gate/up", 2 * config.hidden_size, "2 rms_norm"))
     if switches["activation"]:
-        status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_activation)
+        status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_activation, recompute)
+        if status["activation"].startswith(common.FUSED):
+            recomputed.append(("the MLP's act(gate) * up", config.intermediate_size, "1 gated activation"))
     if switches["rope"]:
         status["rope"] = common.patch_rotary_attention(patches, layers, passes_softcap=config.model_type == "gemma2")
     if switches["attention"]:
         status["attention"] = common.use_onepass_attention(patches, model)
     if switches["loss"]:
         status["loss"] = common.patch_lm_loss(patches, model, getattr(config, "final_logit_softcapping", None))
+    if recompute:
+        status["recompute"] = common.recompute_status(recomputed)
     return status

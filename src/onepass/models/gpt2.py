@@ -3,10 +3,14 @@
     HF:       h = h + attn(ln_1(h));  h = h + mlp(ln_2(h))
     onepass:  a = attn(ln_1(h));  y, h = add_layer_norm(a, h, ln_2);  h = h + mlp(y)
 
-with the MLP's ``gelu(x W + b)`` as ``bias_gelu(x W, b)``. There is no RoPE to fuse.
+with the MLP's ``gelu(x W + b)`` as ``bias_gelu(x W, b)``. There is no RoPE to fuse. With
+``recompute``, the outputs of ln_1 and ln_2 (the inputs of c_attn and c_fc) and the GELU
+output (the input of c_proj) are rebuilt in backward, from h and from x W, rather than kept.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -19,18 +23,26 @@ MODEL_TYPES = ("gpt2",)
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
-def _block(self, hidden_states: Tensor, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
-           encoder_attention_mask=None, use_cache=False, **kwargs) -> Tensor:
-    attn, _ = self.attn(self.ln_1(hidden_states), past_key_values=past_key_values, attention_mask=attention_mask,
-                        use_cache=use_cache, **kwargs)
+def _block(self, recompute: bool, hidden_states: Tensor, past_key_values=None, attention_mask=None,
+           encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs) -> Tensor:
+    def attend(normed):
+        return self.attn(normed, past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache,
+                         **kwargs)
+
+    attn, _ = common.after_norm(recompute, attend, self.ln_1(hidden_states), self.ln_1, hidden_states)
     normed, hidden_states = self.ln_2(attn, hidden_states)
-    return hidden_states + self.mlp(normed)
+    return hidden_states + common.after_norm(recompute, self.mlp, normed, self.ln_2, hidden_states)
 
 
-def _mlp_forward(approximate: str):
+def _mlp_forward(approximate: str, recompute: bool):
+    gelu = functools.partial(ops.bias_gelu, approximate=approximate)
+
     def forward(self, x: Tensor) -> Tensor:
         # Conv1D computes x @ weight + bias; the bias add joins the GELU pass.
-        hidden = ops.bias_gelu(torch.matmul(x, self.c_fc.weight), self.c_fc.bias, approximate=approximate)
+        pre = torch.matmul(x, self.c_fc.weight)
+        hidden = gelu(pre, self.c_fc.bias)
+        if recompute and self.training:  # bias_gelu's backward keeps pre (and the bias) anyway
+            return self.dropout(common.with_recomputed(self.c_proj, hidden, gelu, (pre, self.c_fc.bias)))
         return self.dropout(self.c_proj(hidden))
 
     return forward
@@ -41,18 +53,19 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
 
     base, config = model.base_model, model.config
     blocks = base.h
-    status = {}
+    status, recompute, recomputed = {}, switches["recompute"], []
     if switches["norm"]:
         if config.add_cross_attention:
             status["norm"] = f"{common.UNFUSED}: blocks with cross-attention keep HF's forward"
         else:
-            forward = common.layer_forward(_block)
+            forward = common.layer_forward(_block, recompute)
             for block in blocks:
                 common.swap_layer_norm(patches, block, "ln_1")
                 common.swap_layer_norm(patches, block, "ln_2")
                 patches.set_forward(block, forward)
             common.swap_layer_norm(patches, base, "ln_f")
             status["norm"] = f"{common.FUSED}: layer_norm; residual add + ln_2 in add_layer_norm"
+            recomputed.append(("the outputs of ln_1 and ln_2", 2 * config.n_embd, "2 layer_norm"))
     if switches["activation"]:
         approximate = _GELU.get(config.activation_function)
         if approximate is None:
@@ -60,10 +73,11 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
         elif any(type(block.mlp.c_fc) is not Conv1D for block in blocks):
             status["activation"] = f"{common.UNFUSED}: c_fc is wrapped (e.g. a LoRA adapter); its bias stays in it"
         else:
-            forward = _mlp_forward(approximate)
+            forward = _mlp_forward(approximate, recompute)
             for block in blocks:
                 patches.set_forward(block.mlp, forward)
             status["activation"] = f"{common.FUSED}: bias_gelu ({config.activation_function})"
+            recomputed.append(("the GELU output", config.n_inner or 4 * config.n_embd, "1 bias_gelu"))
     if switches["rope"]:
         status["rope"] = "n/a: GPT-2 has learned positions"
     if switches["attention"]:
@@ -72,4 +86,6 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
             status["attention"] += f"; training with attn_pdrop={config.attn_pdrop} uses SDPA"
     if switches["loss"]:
         status["loss"] = common.patch_lm_loss(patches, model)
+    if recompute:
+        status["recompute"] = common.recompute_status(recomputed)
     return status

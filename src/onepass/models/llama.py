@@ -6,7 +6,10 @@ The layer (pre-norm, residual stream h):
     onepass:  a = attn(rms(h));  y, h = add_rms_norm(a, h);  h = h + mlp(y)
 
 so the residual add and the second norm are one pass that writes both the new stream
-and the normed input of the MLP; the MLP's ``silu(gate) * up`` is ``swiglu``.
+and the normed input of the MLP; the MLP's ``silu(gate) * up`` is ``swiglu``. With the
+``recompute`` switch, neither norm output (the input of q/k/v, of gate/up) nor the swiglu
+product (the input of down_proj) is kept for backward: they are rebuilt there from h, and
+from gate and up, which autograd keeps anyway.
 """
 
 from __future__ import annotations
@@ -18,19 +21,20 @@ from onepass.models import common
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _layer(self, hidden_states: Tensor, **kwargs) -> Tensor:
+def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
     normed = self.input_layernorm(hidden_states)
-    attn, _ = self.self_attn(hidden_states=normed, **kwargs)
+    attn, _ = common.after_norm(recompute, lambda x: self.self_attn(hidden_states=x, **kwargs), normed,
+                                self.input_layernorm, hidden_states)
     normed, hidden_states = self.post_attention_layernorm(attn, hidden_states)
-    return hidden_states + self.mlp(normed)
+    return hidden_states + common.after_norm(recompute, self.mlp, normed, self.post_attention_layernorm, hidden_states)
 
 
 def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:
     base, config = model.base_model, model.config
     layers = base.layers
-    status = {}
+    status, recompute, recomputed = {}, switches["recompute"], []
     if switches["norm"]:
-        forward = common.layer_forward(_layer)
+        forward = common.layer_forward(_layer, recompute)
         for layer in layers:
             common.swap_rms_norm(patches, layer, "input_layernorm")
             common.swap_rms_norm(patches, layer, "post_attention_layernorm")
@@ -40,12 +44,17 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
             patches.set_forward(layer, forward)
         common.swap_rms_norm(patches, base, "norm")
         status["norm"] = f"{common.FUSED}: rms_norm; residual add + norm in add_rms_norm"
+        recomputed.append(("the norm outputs feeding q/k/v and gate/up", 2 * config.hidden_size, "2 rms_norm"))
     if switches["activation"]:
-        status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_act)
+        status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_act, recompute)
+        if status["activation"].startswith(common.FUSED):
+            recomputed.append(("the MLP's act(gate) * up", config.intermediate_size, "1 gated activation"))
     if switches["rope"]:
         status["rope"] = common.patch_rotary_attention(patches, layers)
     if switches["attention"]:
         status["attention"] = common.use_onepass_attention(patches, model)
     if switches["loss"]:
         status["loss"] = common.patch_lm_loss(patches, model)
+    if recompute:
+        status["recompute"] = common.recompute_status(recomputed)
     return status
