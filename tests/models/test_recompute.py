@@ -106,6 +106,16 @@ def test_same_gradients_and_activations_freed(family, device):
     assert all(expected[2]), "without recompute the activations must be saved (else the check above is void)"
 
 
+def test_reference_mode(device):
+    """The ops run as their PyTorch references: the recomputation too, with the same result."""
+    on, off = _pair("gemma2", device)
+    ids = _ids(device)
+    with onepass.reference_mode():
+        got, expected = _step(on, ids, "gemma2"), _step(off, ids, "gemma2")
+    _assert_same(got, expected)
+    assert not any(got[2]) and all(expected[2])
+
+
 def test_with_lora_adapters(device):
     """PEFT LoRA on q, k, v, gate and down: lora_A saves the same input as its base layer."""
     peft = pytest.importorskip("peft")
