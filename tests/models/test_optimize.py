@@ -231,6 +231,37 @@ def test_torch_compile_fullgraph(device):
         _assert_close(compiled(ids).logits, ref(ids).logits, "compiled logits")
 
 
+def test_torch_compile_runs_the_onepass_attention_kernel(device, monkeypatch):
+    """Under torch.compile, HF would materialise the causal mask (its skip test is off while
+    tracing) and send attention to SDPA; the onepass mask function leaves it to the kernel."""
+    model, ref = _pair("llama", device)
+    model.eval(), ref.eval()
+    calls = []
+    attention = onepass.ops.attention
+    monkeypatch.setattr(onepass.ops, "attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    ids = _batch().to(device)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    with torch.no_grad():
+        _assert_close(compiled(ids).logits, ref(ids).logits, "compiled logits")
+    assert len(calls) == model.config.num_hidden_layers
+
+
+def test_onepass_mask_needs_no_mask_without_padding_even_when_hf_would_build_one(monkeypatch):
+    """As when HF's skip test is off (tracing on older torch): no mask where the kernel masks
+    causally itself; a padding mask or fewer queries than keys still get SDPA's mask."""
+    import transformers.masking_utils as masking
+
+    from onepass.models.common import _onepass_mask
+
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    kw = dict(batch_size=2, q_offset=0, kv_offset=0, mask_function=masking.causal_mask_function)
+    assert _onepass_mask(q_length=6, kv_length=6, **kw) is None
+    padding = torch.ones(2, 6, dtype=torch.bool)
+    padding[0, 0] = False
+    assert _onepass_mask(q_length=6, kv_length=6, attention_mask=padding, **kw) is not None
+    assert _onepass_mask(q_length=1, kv_length=6, **kw) is not None
+
+
 def test_peft_lora_on_projections(device):
     peft = pytest.importorskip("peft")
     model, ref = _pair("llama", device)

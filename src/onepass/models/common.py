@@ -415,14 +415,21 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                   is_causal=is_causal, **kwargs)
 
 
-def _onepass_mask(*args, q_length, kv_length, local_size=None, **kwargs):
-    """SDPA's boolean masks, except that a sliding window with as many queries as keys and no
-    padding needs no mask: the onepass kernel applies the window itself."""
+def _onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=None, allow_is_causal_skip=True,
+                  **kwargs):
+    """SDPA's boolean masks, except where the onepass kernel needs none: as many queries as
+    keys with no padding mask (plain causal, or a sliding window, which the kernel applies
+    itself). HF's own test for that skip is off while torch.compile traces (before torch
+    2.14), which would send every compiled step to SDPA with a materialised mask; this one
+    reads no tensor values, so it holds under compile too."""
     from transformers.masking_utils import sdpa_mask
 
     if q_length == kv_length:
+        if attention_mask is None and allow_is_causal_skip and not args:
+            return None
         local_size = None
-    return sdpa_mask(*args, q_length=q_length, kv_length=kv_length, local_size=local_size, **kwargs)
+    return sdpa_mask(*args, q_length=q_length, kv_length=kv_length, local_size=local_size,
+                     attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
