@@ -6,9 +6,10 @@ Each variant trains a fresh model (random weights, bf16, ``AdamW(fused=True)``) 
 same random tokens with labels: eager Hugging Face (sdpa attention), ``torch.compile`` of
 it, Liger-Kernel's patch (when importable), ``onepass.optimize``, onepass +
 ``torch.compile``, and onepass with SDPA attention or without recomputation (the
-activations it rebuilds in backward kept instead). After warm-up (compilation, autotuning) it times each step with CUDA
-events and reports the median tokens/s and the peak memory allocated during the timed
-steps (weights, gradients and optimizer state included, as ``max_memory_allocated``).
+activations it rebuilds in backward kept instead). After warm-up (compilation,
+autotuning) it times each step with CUDA events and reports the median tokens/s and the
+peak memory allocated during the timed steps (weights, gradients and optimizer state
+included, as ``max_memory_allocated``).
 
 The floor: the step's matmul FLOPs at the bf16 matmul rate measured in this run, plus its
 minimum memory-bound bytes at the copy bandwidth measured in this run (see
@@ -146,8 +147,9 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
             import onepass
 
             report = onepass.optimize_report(model)
-            notes = [f"{kind}: " + ", ".join(k for k, v in report.items() if v.split(":")[0] == kind)
-                     for kind in ("unfused", "off") if any(v.split(":")[0] == kind for v in report.values())]
+            kinds = {name: line.split(":")[0] for name, line in report.items()}
+            notes = [f"{kind}: " + ", ".join(name for name, k in kinds.items() if k == kind)
+                     for kind in ("unfused", "off") if kind in kinds.values()]
             result.note = "; ".join(notes) or "all switches on"
     except Exception as e:  # one variant failing (out of memory, no Liger) is reported, not fatal
         result.error = f"{type(e).__name__}: {e}"[:300]

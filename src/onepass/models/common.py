@@ -289,6 +289,18 @@ def recompute_status(recomputed: list[tuple[str, int, str]]) -> str:
             f"a token a layer less activation memory, for {cost} forward a layer in backward")
 
 
+def gated_recompute_status(switches: dict[str, bool], status: dict[str, str], hidden_size: int,
+                           intermediate_size: int) -> str:
+    """The recompute report line of the gated-MLP families (Llama, Gemma): the two norm
+    outputs when the layer forward is fused, the gated product when the MLP is."""
+    recomputed = []
+    if switches["norm"]:
+        recomputed.append(("the norm outputs feeding q/k/v and gate/up", 2 * hidden_size, "2 rms_norm"))
+    if status.get("activation", "").startswith(FUSED):
+        recomputed.append(("the MLP's act(gate) * up", intermediate_size, "1 gated activation"))
+    return recompute_status(recomputed)
+
+
 # --------------------------------------------------------------------------------- MLP
 
 # HF activation names -> the onepass gated op that fuses ``act(gate) * up``.

@@ -38,7 +38,7 @@ _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_
 def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:
     base, config = model.base_model, model.config
     layers = base.layers
-    status, recompute, recomputed = {}, switches["recompute"], []
+    status, recompute = {}, switches["recompute"]
     if switches["norm"]:
         forward = common.layer_forward(_layer, recompute)
         for layer in layers:
@@ -50,11 +50,8 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
             patches.set_forward(layer, forward)
         common.swap_rms_norm(patches, base, "norm", offset=1.0)
         status["norm"] = f"{common.FUSED}: rms_norm (1 + weight); residual add + pre-MLP norm in add_rms_norm"
-        recomputed.append(("the norm outputs feeding q/k/v and gate/up", 2 * config.hidden_size, "2 rms_norm"))
     if switches["activation"]:
         status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_activation, recompute)
-        if status["activation"].startswith(common.FUSED):
-            recomputed.append(("the MLP's act(gate) * up", config.intermediate_size, "1 gated activation"))
     if switches["rope"]:
         status["rope"] = common.patch_rotary_attention(patches, layers, passes_softcap=config.model_type == "gemma2")
     if switches["attention"]:
@@ -62,5 +59,6 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
     if switches["loss"]:
         status["loss"] = common.patch_lm_loss(patches, model, getattr(config, "final_logit_softcapping", None))
     if recompute:
-        status["recompute"] = common.recompute_status(recomputed)
+        status["recompute"] = common.gated_recompute_status(switches, status, config.hidden_size,
+                                                            config.intermediate_size)
     return status

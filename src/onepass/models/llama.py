@@ -32,7 +32,7 @@ def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
 def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:
     base, config = model.base_model, model.config
     layers = base.layers
-    status, recompute, recomputed = {}, switches["recompute"], []
+    status, recompute = {}, switches["recompute"]
     if switches["norm"]:
         forward = common.layer_forward(_layer, recompute)
         for layer in layers:
@@ -44,11 +44,8 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
             patches.set_forward(layer, forward)
         common.swap_rms_norm(patches, base, "norm")
         status["norm"] = f"{common.FUSED}: rms_norm; residual add + norm in add_rms_norm"
-        recomputed.append(("the norm outputs feeding q/k/v and gate/up", 2 * config.hidden_size, "2 rms_norm"))
     if switches["activation"]:
         status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_act, recompute)
-        if status["activation"].startswith(common.FUSED):
-            recomputed.append(("the MLP's act(gate) * up", config.intermediate_size, "1 gated activation"))
     if switches["rope"]:
         status["rope"] = common.patch_rotary_attention(patches, layers)
     if switches["attention"]:
@@ -56,5 +53,6 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
     if switches["loss"]:
         status["loss"] = common.patch_lm_loss(patches, model)
     if recompute:
-        status["recompute"] = common.recompute_status(recomputed)
+        status["recompute"] = common.gated_recompute_status(switches, status, config.hidden_size,
+                                                            config.intermediate_size)
     return status

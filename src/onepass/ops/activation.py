@@ -172,8 +172,9 @@ def _act_bwd_kernel(
             dy *= u
         dz = dy * da
         tl.store(dx_ptr + out, dz.to(dx_ptr.dtype.element_ty), mask=mask)
-        # masked elements hold dz = 0 (dy loaded as 0), so the column sum is exact
-        db += tl.sum(dz, axis=0)
+        if HAS_BIAS:
+            # masked elements hold dz = 0 (dy loaded as 0), so the column sum is exact
+            db += tl.sum(dz, axis=0)
     if HAS_BIAS:
         tl.store(db_part_ptr + group * n_cols + cols, db, mask=col_ok)
 

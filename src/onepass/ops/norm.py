@@ -310,7 +310,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
 
 def _writes_dx(has_residual, dropout_p, x_dtype, h_dtype, leaves):
     """dx differs from d(residual) only through dropout or a dtype change. When x and the
-    residual are both leaves, dx is written too: autograd would otherwise clone the one
+    residual are both leaves that require grad, dx is written too: autograd would otherwise clone the one
     shared gradient for the second leaf's ``.grad`` (a separate copy kernel, ~2x the bytes
     of the extra write). Inside a model they are not leaves and share one tensor."""
     return has_residual and (dropout_p > 0 or x_dtype != h_dtype or leaves)
@@ -402,7 +402,7 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual = residual is not None
-    ctx.leaves = residual is not None and x.is_leaf and residual.is_leaf
+    ctx.leaves = residual is not None and all(t.is_leaf and t.requires_grad for t in (x, residual))
     ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype = dropout_p, seed, is_rms, x.dtype
 
 
