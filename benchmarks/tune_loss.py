@@ -1,0 +1,135 @@
+"""Sweep the cross-entropy kernel's settings and time the pieces of linear_cross_entropy on a GPU.
+
+    python benchmarks/tune_loss.py [ce] [lce]
+
+ce: cross_entropy forward with the gradient (its backward is free for an upstream
+gradient of 1) at 8192 x 128256 bf16, per (segment, values a thread), checked against
+PyTorch, with registers and spills, beside Liger in the same run.
+lce: at 8192 tokens, hidden 2048, vocab 128256 bf16, each GEMM of a chunk (the logits,
+dx, and dW with its accumulator choices), then the whole op per (chunk, accum_dtype)
+with its peak memory, beside the three full matmuls.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from onepass import ops
+from onepass.bench.harness import measure_ceilings
+from onepass.ops import _launch
+
+ce = importlib.import_module("onepass.ops.cross_entropy")
+TOKENS, HIDDEN, VOCAB = 8192, 2048, 128256
+
+
+def bench(fn):
+    fn()
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sweep_ce(copy):
+    x = (torch.randn(TOKENS, VOCAB, device="cuda") * 4).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, VOCAB, (TOKENS,), device="cuda")
+    nbytes = 2 * x.numel() * 2
+    ref_loss = F.cross_entropy(x.float(), t)
+    ref_grad = torch.autograd.grad(ref_loss, x)[0].float()
+
+    def step():
+        loss = ops.cross_entropy(x, t)
+        loss.backward()
+        x.grad = None
+        return loss
+
+    for segment in (4096, 8192, 16384, 32768):
+        for vpt in (16, 32, 64, 128):
+            if segment // (32 * vpt) > 16 or segment // (32 * vpt) < 1:
+                continue
+            ce.CE_SEGMENT, ce.CE_VALUES_PER_THREAD = segment, vpt
+            _launch._compiled_kernels.clear()
+            loss = ops.cross_entropy(x, t)
+            (grad,) = torch.autograd.grad(loss, x)
+            err = (grad.float() - ref_grad).abs().max().item()
+            ok = abs(loss.item() - ref_loss.item()) < 1e-2 and err < 1e-6
+            ms = bench(step)
+            regs = [(k.n_regs, k.n_spills) for key, k in _launch._compiled_kernels.items()
+                    if key[0] is ce._cross_entropy_fwd_kernel]
+            print(f"ce segment={segment:<6} vpt={vpt:<4} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
+                  f"{nbytes / ms / 1e6 / copy:6.1%} regs/spills={regs} {'ok' if ok else f'WRONG err={err}'}",
+                  flush=True)
+    try:
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        liger = LigerCrossEntropyLoss()
+
+        def liger_step():
+            liger(x, t).backward()
+            x.grad = None
+
+        ms = bench(liger_step)
+        print(f"ce liger {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s", flush=True)
+    except ImportError as err:
+        print("ce liger: not importable:", err)
+
+
+def time_lce_pieces(matmul_tflops):
+    dev, bf = "cuda", torch.bfloat16
+    w = torch.randn(VOCAB, HIDDEN, device=dev, dtype=bf) * 0.02
+    h_all = torch.randn(TOKENS, HIDDEN, device=dev, dtype=bf)
+    full = 3 * 2 * TOKENS * HIDDEN * VOCAB
+    ms3 = (bench(lambda: h_all @ w.t()) + bench(lambda: torch.empty(TOKENS, VOCAB, device=dev, dtype=bf) @ w)
+           + bench(lambda: torch.empty(VOCAB, TOKENS, device=dev, dtype=bf) @ h_all))
+    print(f"lce three full matmuls {ms3:7.3f} ms ({full / ms3 / 1e9:.0f} TFLOP/s; measured ceiling {matmul_tflops:.0f})")
+    acc32 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=torch.float32)
+    acc16 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=bf)
+    for c in (512, 1024, 2048):
+        h, g = h_all[:c], torch.randn(c, VOCAB, device=dev, dtype=bf)
+        flops = 2 * c * HIDDEN * VOCAB
+        rows = [
+            ("logits h@W^T", lambda: torch.mm(h, w.t(), out=g)),
+            ("dx g@W", lambda: g @ w),
+            ("dW bf16 beta=0", lambda: torch.mm(g.t(), h, out=acc16)),
+            ("dW bf16 beta=1", lambda: acc16.addmm_(g.t(), h)),
+            ("dW fp32 beta=0", lambda: torch.addmm(acc32, g.t(), h, beta=0, out_dtype=torch.float32, out=acc32)),
+            ("dW fp32 beta=1", lambda: torch.addmm(acc32, g.t(), h, beta=1, out_dtype=torch.float32, out=acc32)),
+        ]
+        for name, fn in rows:
+            ms = bench(fn)
+            print(f"lce chunk={c:<5} {name:<16} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s", flush=True)
+    t = torch.randint(0, VOCAB, (TOKENS,), device=dev)
+    for chunk, accum in ((1024, torch.float32), (2048, torch.float32), (4096, torch.float32),
+                         (512, bf), (1024, bf), (2048, bf)):
+        hh = h_all.clone().requires_grad_(True)
+        ww = w.clone().requires_grad_(True)
+
+        def step():
+            ops.linear_cross_entropy(hh, ww, t, chunk_size=chunk, accum_dtype=accum).backward()
+            hh.grad = ww.grad = None
+
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = bench(step)
+        print(f"lce op chunk={chunk:<5} accum={str(accum).split('.')[-1]:<9} {ms:7.3f} ms "
+              f"({ms / ms3:.3f}x the three matmuls) peak above inputs {peak:.2f} GiB", flush=True)
+
+
+def main():
+    which = set(sys.argv[1:]) or {"ce", "lce"}
+    ceilings = measure_ceilings()
+    print(f"copy {ceilings.copy_gbps:.0f} GB/s, matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
+    if "ce" in which:
+        sweep_ce(ceilings.copy_gbps)
+    if "lce" in which:
+        time_lce_pieces(ceilings.matmul_tflops)
+
+
+if __name__ == "__main__":
+    main()
