@@ -49,7 +49,7 @@ from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_fi
 DECODE_CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 FP32_CONFIG = (32, 4, 2)  # fp32 inputs (tests on a GPU): FMA dots, shared memory in bounds at D = 256
 INTERPRETER_CONFIG = (16, 1, 1)
-MIN_SPLIT_TOKENS = 128  # at least two key tiles per split (an unmeasured floor: sweep it with the splits)
+MIN_SPLIT_TOKENS = 256  # H200, batch 1, 4k cache: 16 splits 38.1% of copy, 32 splits 34.9%
 MAX_SPLITS = 64
 MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
 MERGE_WARPS = 4
@@ -125,8 +125,11 @@ def _decode_merge_kernel(
 
 
 def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_len: int) -> int:
-    """Splits so that batch * kv_heads * splits is about twice the SM count."""
-    want = triton.cdiv(2 * num_programs_for(device), max(1, batch * kv_heads))
+    """Splits so that batch * kv_heads * splits is at most twice the SM count: one more
+    would start a third, mostly idle wave (H200, batch 8 x 8 kv heads, CUDA graph: 4
+    splits 84.5% of copy at a 4k cache, 103% at 32k; 5 splits 78.9% and 96.9%;
+    benchmarks/tune_decode.py)."""
+    want = max(1, 2 * num_programs_for(device) // max(1, batch * kv_heads))
     return max(1, min(want, triton.cdiv(cache_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
