@@ -44,7 +44,7 @@ def sweep_ce(copy):
         x.grad = None
         return loss
 
-    for block, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+    for block, warps in ((8192, 16), (16384, 32), (16384, 16), (8192, 32), (4096, 8), (32768, 32)):
         ce.CE_MAX_BLOCK, ce.CE_MAX_WARPS = block, warps
         loss = ops.cross_entropy(x, t)
         (grad,) = torch.autograd.grad(loss, x)
