@@ -24,20 +24,21 @@ Byte budget (R rows of V logits, element size s), forward and backward together:
 One kernel reads each row twice: pass 1 keeps per-lane running max/sum-exp (one exp an
 element, no cross-thread reduction in the loop), the running sum of z (smoothing) and
 argmax; pass 2 walks the row backwards, so the blocks pass 1 read last are still in L2,
-and writes the gradient. Measured and dropped (H200, 8192 x 128256 bf16, fwd+bwd): a single
-read, each row split over a team of programs that hold their segment in registers and
-exchange partial max/sum through global memory, waiting for each other (ticket-ordered
-so it cannot hang): 1.8-4.6 ms over segment sizes, warps and persistent or not, against
-1.63 for the two passes; the publish-wait-combine latency per segment dominates.
+and writes the gradient. Measured and dropped (H200, 8192 x 128256 bf16, fwd+bwd, 1.63 ms
+for this kernel): a single read, each row split over a team of programs that hold their
+segment in registers and exchange partial max/sum through global memory, waiting for
+each other (ticket-ordered so it cannot hang): 1.8-4.6 ms over segment sizes, warps,
+persistent or not (the publish-wait-combine latency per segment dominates); programs
+looping over rows, 1-3 an SM so fewer rows sit between the two passes: 1.75 ms at best.
 
-The gradient is computed in the forward as if the loss's upstream gradient were 1 (Liger's trick: the logits are not read again in backward);
-the backward multiplies it in place by the real upstream gradient, in a kernel whose
-programs skip every row whose factor is exactly 1.0 (read on the device, no host sync),
-so ``loss.backward()`` costs no extra pass. Consequences: the gradient is one [R, V]
-tensor of the logits' dtype held from forward to backward (none with ``inplace_grad``,
-which writes it over the logits), and a second backward through the same graph
-(``retain_graph=True``) raises. Rows with an ignored target are not read at all unless
-lse or pred is requested.
+The gradient is computed in the forward as if the loss's upstream gradient were 1
+(Liger's trick: the logits are not read again in backward); the backward multiplies it
+in place by the real upstream gradient, in a kernel whose programs skip every row whose
+factor is exactly 1.0 (read on the device, no host sync), so ``loss.backward()`` costs
+no extra pass. Consequences: the gradient is one [R, V] tensor of the logits' dtype held
+from forward to backward (none with ``inplace_grad``, which writes it over the logits),
+and a second backward through the same graph (``retain_graph=True``) raises. Rows with
+an ignored target are not read at all unless lse or pred is requested.
 
 Targets are checked without a host sync on CUDA: a small kernel counts the valid and
 the out-of-range targets on the device (the count is also mean's divisor) and
