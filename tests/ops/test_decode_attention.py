@@ -63,6 +63,20 @@ def test_matches_attention_on_the_cache(device):
     assert_close(out, ops.attention(q, k, v, causal=True), torch.float32)
 
 
+def test_default_splits_fill_at_most_two_programs_an_sm(monkeypatch):
+    """On a 132-SM GPU: batch 1 gets 33 splits (16 for a 4k cache: 256 positions a split at
+    least), batch 8 gets 4 (5 would start a third, mostly idle wave), large batches 1."""
+    import importlib
+
+    decode = importlib.import_module("onepass.ops.decode_attention")
+    monkeypatch.setattr(decode, "num_programs_for", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert [decode.default_num_splits(cuda, 1, 8, n) for n in (4096, 32768, 131072)] == [16, 33, 33]
+    assert [decode.default_num_splits(cuda, 8, 8, n) for n in (4096, 131072)] == [4, 4]
+    assert decode.default_num_splits(cuda, 64, 8, 131072) == 1
+    assert decode.default_num_splits(cuda, 1, 8, 100) == 1
+
+
 def test_torch_compile_fullgraph_and_opcheck(device):
     from onepass.ops.decode_attention import _decode_attention
 
