@@ -54,7 +54,7 @@ class _Plain(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, mean, rstd = ctx.saved_tensors
-        dx, _, dw, _ = norm._norm_bwd_launch(dy, None, x, w, False, mean, rstd, 0.0, 0, True, x.dtype, False, False)
+        dx, _, dw, _ = norm._norm_bwd_launch(dy, None, x, w, None, mean, rstd, 0.0, 0, True, x.dtype, False, False)
         return dx, dw
 
 
@@ -70,7 +70,7 @@ def main():
 
     def manual():
         y, _, m, r = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True, x.dtype)
-        norm._norm_bwd_launch(dy, None, x.detach(), ws, False, m, r, 0.0, 0, True, x.dtype, False, False)
+        norm._norm_bwd_launch(dy, None, x.detach(), ws, None, m, r, 0.0, 0, True, x.dtype, False, False)
 
     def in_thread(fn):
         import threading
@@ -94,10 +94,10 @@ def main():
         "norm fwd kernel, onepass launch() (64 rows)": lambda: launch(norm._norm_fwd_kernel, (64,), *kernel_args,
                                                                       **kernel_meta),
         "fwd launcher (64 rows)": lambda: norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype),
-        "bwd launcher (64 rows)": lambda: norm._norm_bwd_launch(dys, None, xs, ws, False, mean, rstd, 0.0, 0, True,
+        "bwd launcher (64 rows)": lambda: norm._norm_bwd_launch(dys, None, xs, ws, None, mean, rstd, 0.0, 0, True,
                                                                 xs.dtype, False, False),
         "fwd custom op (64 rows)": lambda: norm._norm_fwd(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype),
-        "bwd custom op (64 rows)": lambda: norm._norm_bwd(dys, None, xs, ws, False, mean, rstd, 0.0, 0, True,
+        "bwd custom op (64 rows)": lambda: norm._norm_bwd(dys, None, xs, ws, None, mean, rstd, 0.0, 0, True,
                                                           xs.dtype, False, False),
         "rms_norm fwd (64 rows, no grad)": lambda: norm.rms_norm(xs, ws),
         "fwd+bwd step, public op": step(norm.rms_norm),
@@ -105,7 +105,7 @@ def main():
         "fwd+bwd step, F.rms_norm": step(lambda x, w: torch.nn.functional.rms_norm(x, (N,), w, 1e-6)),
         "fwd launcher (16384 rows)": lambda: norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True,
                                                                    x.dtype),
-        "bwd launcher (16384 rows)": lambda: norm._norm_bwd_launch(dy, None, x.detach(), ws, False, big_mean,
+        "bwd launcher (16384 rows)": lambda: norm._norm_bwd_launch(dy, None, x.detach(), ws, None, big_mean,
                                                                    big_rstd, 0.0, 0, True, x.dtype, False, False),
         "fwd+bwd launchers, no autograd (16384 rows)": manual,
         "fwd+bwd launchers in a second thread": lambda: in_thread(manual),

@@ -46,7 +46,7 @@ def sweep_norm(copy):
         _, _, _, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
         for per_sm in (1, 2, 4):
             norm.BWD_PROGRAMS_PER_SM = per_sm
-            ms, gbps = bench(lambda: norm._norm_bwd_launch(dy, None, x, w, False, rstd, rstd, 0.0, 0, True, x.dtype,
+            ms, gbps = bench(lambda: norm._norm_bwd_launch(dy, None, x, w, None, rstd, rstd, 0.0, 0, True, x.dtype,
                                                            False, False),
                              3 * size)
             print(f"norm rms bwd warps={warps:<3} per_sm={per_sm} "

@@ -112,6 +112,15 @@ def test_mixed_dtypes_fuse_the_casts(device):
     assert_close(y, reference.rms_norm(x.double(), w.double()), torch.bfloat16)
 
 
+@pytest.mark.parametrize("has_weight", [True, False])
+def test_weight_and_bias_gradients_in_their_own_dtypes(has_weight, device):
+    """dw and db are summed in one launch, each straight into its parameter's dtype."""
+    x = torch.randn(6, 80, dtype=torch.bfloat16, device=device)
+    w = torch.randn(80, dtype=torch.float32, device=device) if has_weight else None
+    b = torch.randn(80, dtype=torch.float16, device=device)
+    _check_against_reference("layer", x, None, w, b, torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------ dropout
 
 

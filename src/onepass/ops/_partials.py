@@ -1,8 +1,9 @@
 """Column sums of per-program fp32 partials: the last step of a weight or bias gradient.
 
-Kernels that reduce over rows (the norm weight gradient, the bias gradient of bias_gelu)
-write one fp32 partial row per program; this sums those rows in one launch, straight into
-the parameter's dtype (``part.sum(0).to(dtype)`` takes two kernels and ~2x the host time).
+Kernels that reduce over rows (the norm weight and bias gradients, the bias gradient of
+bias_gelu) write one fp32 partial row per program; this sums those rows straight into
+the parameter's dtype, one or two buffers in one launch (``part.sum(0).to(dtype)`` takes
+two kernels a buffer and ~2x the host time).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from torch import Tensor
 
 from onepass.ops._launch import launch
 
-# [partials, columns] tile a program sums at a time; H200, 264 x 4096 fp32: 64 x 32 on 4 warps
-# 11.6 us against 16.4 for 32 x 64 and 17.3 for torch's sum + cast (a one-off do_bench sweep).
-BLOCK_P, BLOCK_C, NUM_WARPS = 64, 32, 4
+# [partials, columns] tile a program sums at a time. H200, 264 x 4096 fp32 (CUDA graph, the
+# partials in L2 as after the kernel that wrote them): 64 x 16 on 4 warps 2.6 us, 64 x 32 on
+# 4 warps 3.2, 128 x 16 on 8 warps 2.5, 512 x 16 on 4 warps 2.6 (a one-off sweep).
+BLOCK_P, BLOCK_C, NUM_WARPS = 64, 16, 4
 
 
 @triton.jit
-def _sum_partials_kernel(part_ptr, out_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _sum_columns(part_ptr, out_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     parts = tl.arange(0, BLOCK_P)
     acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
@@ -31,11 +33,27 @@ def _sum_partials_kernel(part_ptr, out_ptr, n_parts, n_cols, BLOCK_P: tl.constex
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-def sum_partials(part: Tensor, dtype: torch.dtype) -> Tensor:
-    """``part.sum(0)`` of a contiguous fp32 [P, N] buffer, in ``dtype`` (zeros when P == 0)."""
-    n_parts, n_cols = part.shape
-    out = torch.empty(n_cols, dtype=dtype, device=part.device)
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, n_parts, n_cols,
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Programs (i, 0) sum columns of the first buffer, (i, 1) those of the second."""
+    if tl.program_id(1) == 0:
+        _sum_columns(part_ptr, out_ptr, n_parts, n_cols, BLOCK_P, BLOCK_C)
+    else:
+        _sum_columns(part2_ptr, out2_ptr, n_parts, n_cols, BLOCK_P, BLOCK_C)
+
+
+def sum_partials(*buffers: tuple[Tensor, torch.dtype]) -> list[Tensor]:
+    """``part.sum(0)`` in ``dtype`` for each (part, dtype) given: up to two contiguous fp32
+    [P, N] buffers of one shape, summed in one launch (zeros when P == 0)."""
+    if not buffers:
+        return []
+    if len(buffers) > 2 or len({part.shape for part, _ in buffers}) != 1:
+        raise ValueError("sum_partials takes at most two partial buffers, of one shape")
+    n_parts, n_cols = buffers[0][0].shape
+    outs = [torch.empty(n_cols, dtype=dtype, device=part.device) for part, dtype in buffers]
     if n_cols:
-        launch(_sum_partials_kernel, (triton.cdiv(n_cols, BLOCK_C),), part, out, n_parts, n_cols,
-               BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
-    return out
+        (part, _), (part2, _) = buffers[0], buffers[-1]
+        launch(_sum_partials_kernel, (triton.cdiv(n_cols, BLOCK_C), len(buffers)), part, outs[0], part2, outs[-1],
+               n_parts, n_cols, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
+    return outs

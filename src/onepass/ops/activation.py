@@ -234,7 +234,7 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
             ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,
         )
-    db = sum_partials(db_part, bias.dtype) if bias is not None else x.new_empty(0)
+    db = sum_partials((db_part, bias.dtype))[0] if bias is not None else x.new_empty(0)
     return dx, du, db
 
 
