@@ -1,7 +1,9 @@
 """The one benchmark harness: ceilings first, then every variant of every case in one run.
 
 For each case it times each variant with ``triton.testing.do_bench`` (median; cases marked
-``cuda_graph`` by replaying a CUDA graph of the step, ``do_bench_cudagraph``), derives
+``cuda_graph`` by replaying a CUDA graph of the step, ``do_bench_cudagraph``), and beside
+it the step's GPU time alone, replayed in a CUDA graph (no host time: where the two differ
+the row is bound by the Python and launch time of the step, not its kernels), derives
 GB/s from the case's minimum bytes and TFLOP/s from its FLOPs, the fraction of the copy
 bandwidth and matmul rate measured in the same run, and each peer's time over onepass's.
 Results go to ``<out>/<gpu>/<suite>.json`` and a Markdown table beside it.
@@ -39,6 +41,7 @@ class Row:
     shape: str
     variant: str
     ms: float | None = None
+    gpu_ms: float | None = None  # the step replayed in a CUDA graph: its kernels alone (None: not capturable)
     gbps: float | None = None
     tflops: float | None = None
     frac_copy: float | None = None
@@ -73,6 +76,15 @@ def _peak_mib(thunk) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def _graph_ms(thunk) -> float | None:
+    """Median ms of the step replayed in a CUDA graph, or None for a step that cannot be captured."""
+    try:
+        return do_bench_cudagraph(thunk, rep=100, return_mode="median")
+    except Exception:  # e.g. a step that synchronises with the host
+        torch.cuda.synchronize()
+        return None
+
+
 def run_case(case: Case, ceilings: Ceilings, log=print) -> list[Row]:
     rows = []
     try:
@@ -83,8 +95,11 @@ def run_case(case: Case, ceilings: Ceilings, log=print) -> list[Row]:
         row = Row(case.op, case.mode, case.shape, name)
         try:
             thunk()  # compile / autotune outside the timed region
-            row.ms = (do_bench_cudagraph(thunk, rep=100, return_mode="median") if case.cuda_graph
-                      else do_bench(thunk, warmup=25, rep=100, return_mode="median"))
+            if case.cuda_graph:
+                row.ms = row.gpu_ms = do_bench_cudagraph(thunk, rep=100, return_mode="median")
+            else:
+                row.ms = do_bench(thunk, warmup=25, rep=100, return_mode="median")
+                row.gpu_ms = _graph_ms(thunk)
             if case.bytes:
                 row.gbps = case.bytes / row.ms / 1e6
                 row.frac_copy = row.gbps / ceilings.copy_gbps
@@ -96,6 +111,7 @@ def run_case(case: Case, ceilings: Ceilings, log=print) -> list[Row]:
         except Exception as e:
             row.error = f"{type(e).__name__}: {e}"[:300]
         log(f"    {name:<16} " + (f"{row.ms:8.3f} ms" if row.ms else f"failed: {row.error}")
+            + (f" (GPU alone {row.gpu_ms:.3f})" if row.gpu_ms else "")
             + (f"  {row.gbps:7.0f} GB/s" if row.gbps else "") + (f"  {row.tflops:6.1f} TFLOP/s" if row.tflops else ""))
         rows.append(row)
     del thunks
@@ -129,8 +145,10 @@ def to_markdown(suite: str, env: dict, rows: list[Row]) -> str:
              f"torch {env['torch']}, triton {env['triton']}, {env['date']}; "
              f"copy bandwidth {env['copy_GBps']:.0f} GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s "
              "(measured in this run).", "", f"Command: `{env['command']}`", "",
-             "| op | mode | shape | variant | ms | GB/s | % copy | TFLOP/s | peak MiB | its ms / onepass ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "\"GPU ms\": the step replayed in a CUDA graph, its kernels alone; \"ms\" is above it by the host time "
+             "the GPU waited for.", "",
+             "| op | mode | shape | variant | ms | GPU ms | GB/s | % copy | TFLOP/s | peak MiB | its ms / onepass ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(v, spec):
         return format(v, spec) if v is not None else "—"
@@ -138,7 +156,7 @@ def to_markdown(suite: str, env: dict, rows: list[Row]) -> str:
     for r in rows:
         lines.append(f"| {r.op} | {r.mode} | {r.shape} | {r.variant} | "
                      + (fmt(r.ms, '.3f') if r.error is None else f"failed: {r.error[:60]}")
-                     + f" | {fmt(r.gbps, '.0f')} | {fmt(r.frac_copy and 100 * r.frac_copy, '.1f')} | "
+                     + f" | {fmt(r.gpu_ms, '.3f')} | {fmt(r.gbps, '.0f')} | {fmt(r.frac_copy and 100 * r.frac_copy, '.1f')} | "
                      f"{fmt(r.tflops, '.1f')} | {fmt(r.peak_mib, '.0f')} | {fmt(r.onepass_speedup, '.2f')} |")
     return "\n".join(lines) + "\n"
 

@@ -294,8 +294,9 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     y2, h2 = y.view(m, n), (h.view(m, n) if residual is not None else y.view(m, n))
     # Values a thread in the forward, H200, 16384 x 4096 bf16 (CUDA graph, four interleaved
     # rounds): LayerNorm 32 (4 warps) 68.1 us against 16 (8 warps) 72.1; RMSNorm 16 65.9 us
-    # against 32 67.0 (Liger's 65.7). The backward keeps 16 (8 warps: 0.121 ms, 4 warps: 0.125 ms).
-    block, num_warps = row_settings(n, values_per_thread=16 if is_rms else 32)
+    # against 32 67.0 (Liger's 65.7); add_rms_norm 32 132.4 us against 16 132.9. The backward
+    # keeps 16 (8 warps: 0.121 ms, 4 warps: 0.125 ms).
+    block, num_warps = row_settings(n, values_per_thread=16 if is_rms and residual is None else 32)
     weight, bias = (t.contiguous() if t is not None else None for t in (weight, bias))
     launch(_norm_fwd_kernel, (m,),
         x2, res2, weight if weight is not None else x2, bias if bias is not None else x2, y2, h2, mean, rstd,
