@@ -23,6 +23,11 @@ Byte budget (M rows of N, element size s; the dropout mask is never stored):
     norm bwd         ~9 passes                         read dy, h; write dx     3 MNs
                                                        (+ read dh_out with add_*: 4 MNs)
 
+The forward runs one row a program. Measured and dropped (H200, 16384 x 4096 bf16, CUDA
+graph): programs looping over rows with the weight and bias kept in registers (2-16 an
+SM: 70-92 us against 66-68), LayerNorm statistics in one pass over shifted values (no
+faster than the two reductions of the row held in registers).
+
 The backward gives each program a contiguous run of rows and keeps its share of dw
 and db in fp32 registers; the per-program partials ([programs, N] fp32) are summed
 once at the end, so no atomics contend.
