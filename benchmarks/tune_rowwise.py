@@ -36,7 +36,7 @@ def sweep_norm(copy):
     size = x.numel() * 2
     original = norm.row_settings
     for warps in (4, 8, 16):
-        norm.row_settings = lambda cols, w_=warps: (4096, w_)
+        norm.row_settings = lambda cols, values_per_thread=16, w_=warps: (4096, w_)
         for name, fn, passes in (
             ("rms fwd", lambda: norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype), 2),
             ("add_rms fwd", lambda: norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0, True, x.dtype), 4),
@@ -44,7 +44,7 @@ def sweep_norm(copy):
             ms, gbps = bench(fn, passes * size)
             print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
         _, _, _, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
-        for per_sm in (1, 2, 4):
+        for per_sm in (1, 2, 3, 4):
             norm.BWD_PROGRAMS_PER_SM = per_sm
             ms, gbps = bench(lambda: norm._norm_bwd_launch(dy, None, x, w, None, rstd, rstd, 0.0, 0, True, x.dtype,
                                                            False, False),
