@@ -80,6 +80,23 @@ def swap_layer_norm(patches: Patches, parent: nn.Module, name: str) -> None:
     patches.set(parent, name, onn.LayerNorm.from_hf(getattr(parent, name)))
 
 
+def swap_decoder_rms_norms(patches: Patches, model: nn.Module, layer_fused: Callable, recompute: bool,
+                           layer_norms: tuple[str, ...], offset: float = 0.0) -> None:
+    """The RMSNorm families' norm swap: each layer's ``layer_norms`` (and q/k norms where the
+    attention has them) become onepass RMSNorms, each layer runs ``layer_fused``, and the
+    final norm is swapped too."""
+    base = model.base_model
+    forward = layer_forward(layer_fused, recompute)
+    for layer in base.layers:
+        for name in layer_norms:
+            swap_rms_norm(patches, layer, name, offset)
+        if hasattr(layer.self_attn, "q_norm"):
+            swap_rms_norm(patches, layer.self_attn, "q_norm", offset)
+            swap_rms_norm(patches, layer.self_attn, "k_norm", offset)
+        patches.set_forward(layer, forward)
+    swap_rms_norm(patches, base, "norm", offset)
+
+
 # ------------------------------------------------------------------ decoder layers
 
 

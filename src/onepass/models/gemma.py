@@ -40,15 +40,7 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
     layers = base.layers
     status, recompute = {}, switches["recompute"]
     if switches["norm"]:
-        forward = common.layer_forward(_layer, recompute)
-        for layer in layers:
-            for name in _LAYER_NORMS:
-                common.swap_rms_norm(patches, layer, name, offset=1.0)
-            if hasattr(layer.self_attn, "q_norm"):
-                common.swap_rms_norm(patches, layer.self_attn, "q_norm", offset=1.0)
-                common.swap_rms_norm(patches, layer.self_attn, "k_norm", offset=1.0)
-            patches.set_forward(layer, forward)
-        common.swap_rms_norm(patches, base, "norm", offset=1.0)
+        common.swap_decoder_rms_norms(patches, model, _layer, recompute, _LAYER_NORMS, offset=1.0)
         status["norm"] = f"{common.FUSED}: rms_norm (1 + weight); residual add + pre-MLP norm in add_rms_norm"
     if switches["activation"]:
         status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_activation, recompute)

@@ -34,15 +34,8 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
     layers = base.layers
     status, recompute = {}, switches["recompute"]
     if switches["norm"]:
-        forward = common.layer_forward(_layer, recompute)
-        for layer in layers:
-            common.swap_rms_norm(patches, layer, "input_layernorm")
-            common.swap_rms_norm(patches, layer, "post_attention_layernorm")
-            if hasattr(layer.self_attn, "q_norm"):
-                common.swap_rms_norm(patches, layer.self_attn, "q_norm")
-                common.swap_rms_norm(patches, layer.self_attn, "k_norm")
-            patches.set_forward(layer, forward)
-        common.swap_rms_norm(patches, base, "norm")
+        common.swap_decoder_rms_norms(patches, model, _layer, recompute,
+                                      ("input_layernorm", "post_attention_layernorm"))
         status["norm"] = f"{common.FUSED}: rms_norm; residual add + norm in add_rms_norm"
     if switches["activation"]:
         status["activation"] = common.patch_gated_mlps(patches, layers, config.hidden_act, recompute)
