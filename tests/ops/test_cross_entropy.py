@@ -1,3 +1,4 @@
+import importlib
 import itertools
 
 import pytest
@@ -113,6 +114,19 @@ def test_argmax_ties_pick_the_first_index(device):
     logits[1, [3, 98]] = 2.0
     _, _, pred = ops.cross_entropy(logits, torch.tensor([0, 1], device=device), return_pred=True)
     assert pred.tolist() == [17, 3]
+
+
+def test_argmax_and_lse_across_blocks(monkeypatch, device):
+    ce = importlib.import_module("onepass.ops.cross_entropy")
+    monkeypatch.setattr(ce, "CE_MAX_BLOCK", 32)  # rows of 300: ten blocks
+    logits = torch.randn(3, 300, device=device)
+    logits[0, [17, 60, 299]] = 5.0  # ties in three blocks
+    logits[1, [250, 251]] = 5.0  # in a late block only
+    logits[2, 5] = 5.0  # in the first block only
+    _, lse, pred = ops.cross_entropy(logits, torch.tensor([0, 1, 2], device=device), return_lse=True,
+                                     return_pred=True)
+    assert pred.tolist() == [17, 250, 5]
+    assert_close(lse, reference.logsumexp_argmax(logits.double(), None)[0], torch.float32, "lse")
 
 
 def test_non_contiguous_logits(device):

@@ -76,7 +76,7 @@ def _peak_mib(thunk) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _kernel_ms(thunk, steps: int = 5) -> float:
+def kernel_ms(thunk, steps: int = 5) -> float:
     """The summed durations of one step's GPU work (kernels, copies, fills), from torch.profiler.
 
     Not a CUDA graph replay: a step that cannot be captured (one that synchronises with the
@@ -104,7 +104,7 @@ def run_case(case: Case, ceilings: Ceilings, log=print) -> list[Row]:
                 row.ms = row.gpu_ms = do_bench_cudagraph(thunk, rep=100, return_mode="median")
             else:
                 row.ms = do_bench(thunk, warmup=25, rep=100, return_mode="median")
-                row.gpu_ms = _kernel_ms(thunk)
+                row.gpu_ms = kernel_ms(thunk)
             if case.bytes:
                 row.gbps = case.bytes / row.ms / 1e6
                 row.frac_copy = row.gbps / ceilings.copy_gbps

@@ -21,15 +21,18 @@ Byte budget (R rows of V logits, element size s), forward and backward together:
     backward: read 4RV, write 4RV (softmax grad), cast RVs
     ~10 passes and three [R, V] float32 buffers              2 RVs
 
-One kernel reads each row twice: pass 1 keeps per-lane running max/sum-exp (one exp an
-element, no cross-thread reduction in the loop), the running sum of z (smoothing) and
-argmax; pass 2 walks the row backwards, so the blocks pass 1 read last are still in L2,
-and writes the gradient. Measured and dropped (H200, 8192 x 128256 bf16, fwd+bwd, 1.63 ms
-for this kernel): a single read, each row split over a team of programs that hold their
-segment in registers and exchange partial max/sum through global memory, waiting for
-each other (ticket-ordered so it cannot hang): 1.8-4.6 ms over segment sizes, warps,
-persistent or not (the publish-wait-combine latency per segment dominates); programs
-looping over rows, 1-3 an SM so fewer rows sit between the two passes: 1.75 ms at best.
+One kernel reads each row twice: pass 1 keeps the row's running max and sum-exp (one
+exp an element, block reductions), the sum of z (smoothing) and the argmax; pass 2 walks
+the row backwards, so the blocks pass 1 read last are still in L2, and writes the
+gradient. H200, 8192 x 128256 bf16, fwd+bwd: 1.51 ms, the time of those three passes at
+the copy bandwidth. Measured and dropped (benchmarks/tune_loss.py and earlier sweeps):
+per-lane running max/sum vectors instead of block reductions, 1.60 ms; the row's first
+16-64K logits read once and held in registers to pass 2 (2.75 passes instead of 3), 1.87
+ms at best (fewer rows in flight, spills beyond 16K); a single read, each row split over
+a team of programs that exchange partial max/sum through global memory, waiting for each
+other (ticket-ordered so it cannot hang): 1.8-4.6 ms (the publish-wait-combine latency
+per segment dominates); programs looping over rows, 1-3 an SM so fewer rows sit between
+the two passes: 1.75 ms at best; evict_last hints on each row's tail: 1.7-2.2 ms.
 
 The gradient is computed in the forward as if the loss's upstream gradient were 1
 (Liger's trick: the logits are not read again in backward); the backward multiplies it
@@ -64,10 +67,10 @@ from onepass.ops._launch import as_rows, check_float, check_same_device, flat, l
 REDUCTIONS = ("mean", "sum", "none")
 
 # Tunables (one place, for the GPU sweep): columns of a row a program handles per step,
-# and its warps. 8192 columns over 16 warps is 16 values a thread: four per-lane
-# accumulators stay in registers.
-CE_MAX_BLOCK = 8192
-CE_MAX_WARPS = 16
+# and its warps (H200, 8192 x 128256 bf16, kernel time: 4096 x 8 warps 1.511 ms, 8192 x 8
+# 1.517, 4096 x 4 1.516, 8192 x 4 1.625, 16384 x 8 1.608, 32768 x 32 1.540).
+CE_MAX_BLOCK = 4096
+CE_MAX_WARPS = 8
 TARGET_BLOCK = 1024  # targets counted per program by the check kernel
 
 
@@ -118,14 +121,13 @@ def _cross_entropy_fwd_kernel(
     # An ignored row is not read (a zero-trip loop) unless its lse or pred is wanted.
     n_read = n_cols if ALL_ROWS else tl.where(valid, n_cols, 0)
 
-    # Pass 1: per-lane running max m and sum of exp(z - m); one exp an element.
-    m_vec = tl.full([BLOCK_N], -3.0e38, tl.float32)
-    s_vec = tl.zeros([BLOCK_N], tl.float32)
-    z_sum = tl.zeros([BLOCK_N], tl.float32)
-    arg = tl.zeros([BLOCK_N], tl.int32)
-    # The next block's load is issued before this block's math (hand pipelining: the
-    # loop-carried running max would otherwise leave one load in flight a program).
-    # H200, 8192 x 128256 bf16: forward 0.709 ms (0.901 without), fwd+bwd 1.640 (1.973).
+    # Pass 1: running max m and sum of exp(z - m) of the row (one exp an element, two
+    # block reductions a block). The next block's load is issued before this block's math
+    # (hand pipelining: the loop-carried max would otherwise leave one load in flight).
+    m = tl.full((), -3.0e38, tl.float32)
+    s = tl.zeros((), tl.float32)
+    z_sum = tl.zeros((), tl.float32)
+    arg = tl.zeros((), tl.int32)
     x_next = tl.load(x_row + cols, mask=(cols < n_cols) & (n_read > 0), other=0.0)
     for start in range(0, n_read, BLOCK_N):
         c = start + cols
@@ -134,23 +136,21 @@ def _cross_entropy_fwd_kernel(
         x_next = tl.load(x_row + c + BLOCK_N, mask=(c + BLOCK_N < n_cols) & (start + BLOCK_N < n_read), other=0.0)
         z = _capped(x_block.to(tl.float32), softcap, HAS_SOFTCAP)
         z = tl.where(mask, z, float("-inf"))
-        bigger = z > m_vec
-        e = tl.exp(tl.where(bigger, m_vec - z, z - m_vec))
-        s_vec = tl.where(bigger, s_vec * e + 1.0, s_vec + e)
-        m_vec = tl.where(bigger, z, m_vec)
-        if WRITE_PRED:
-            arg = tl.where(bigger, c, arg)
+        m_block = tl.max(z, axis=0)
+        if WRITE_PRED:  # the first index of the maximum, as torch.argmax
+            arg = tl.where(m_block > m, start + tl.argmax(z, axis=0, tie_break_left=True), arg)
+        m_new = tl.maximum(m, m_block)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
         if HAS_SMOOTHING:
-            z_sum += tl.where(mask, z, 0.0)
-    m = tl.max(m_vec, axis=0)
-    lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    lse = m + tl.log(s)
     if WRITE_PRED:
-        # first index of the maximum, as torch.argmax
-        tl.store(pred_ptr + row, tl.min(tl.where(m_vec == m, arg, n_cols), axis=0).to(tl.int64))
+        tl.store(pred_ptr + row, arg.to(tl.int64))
     z_t = _capped(tl.load(x_row + tl.where(in_range, t, 0)).to(tl.float32), softcap, HAS_SOFTCAP)
     loss = lse - (1.0 - label_smoothing) * z_t
     if HAS_SMOOTHING:
-        loss -= label_smoothing * tl.sum(z_sum, axis=0) / n_cols
+        loss -= label_smoothing * z_sum / n_cols
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
     loss = tl.where(in_range, loss, float("nan"))
@@ -160,6 +160,8 @@ def _cross_entropy_fwd_kernel(
     if WRITE_GRAD:
         # Pass 2, backwards through the row (its last blocks are the likeliest still in
         # L2); in place when grad_ptr is x_ptr: each block is read before it is written.
+        # Neither a load ahead nor evict_first pays here (H200, 8192 x 128256 bf16, kernel
+        # 1.511 ms: 1.530 with both).
         g_row = grad_ptr + row * grad_row_stride
         scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
         if MEAN:
@@ -168,20 +170,10 @@ def _cross_entropy_fwd_kernel(
         smooth = scale * label_smoothing / n_cols
         hit = scale * (1.0 - label_smoothing)
         n_blocks = tl.where(valid, tl.cdiv(n_cols, BLOCK_N), 0)
-        last = (n_blocks - 1) * BLOCK_N + cols
-        # pass 2 is the last read of the logits: evict_first keeps L2 for the rows still in pass 1
-        # (H200, 8192 x 128256 bf16: forward with the gradient 1.657 -> 1.608 ms)
-        x_next = tl.load(x_row + last, mask=(last < n_cols) & (n_blocks > 0), other=0.0,
-                         eviction_policy="evict_first")
         for i in range(0, n_blocks):
             c = (n_blocks - 1 - i) * BLOCK_N + cols
             mask = c < n_cols
-            x_block = x_next
-            # the block before, loaded ahead (before this block's gradient is stored: in place
-            # the store lands on this block only, so the order is safe)
-            x_next = tl.load(x_row + c - BLOCK_N, mask=(c >= BLOCK_N) & (i + 1 < n_blocks), other=0.0,
-                             eviction_policy="evict_first")
-            z = _capped(x_block.to(tl.float32), softcap, HAS_SOFTCAP)
+            z = _capped(tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
             g = tl.exp(z - lse) * p_coef - smooth - tl.where(c == t, hit, 0.0)
             if HAS_SOFTCAP:
                 tanh = z / softcap
