@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops._launch import launch
+from onepass.ops._launch import cdiv, launch
 
 # [partials, columns] tile a program sums at a time. H200, 264 x 4096 fp32 (CUDA graph, the
 # partials in L2 as after the kernel that wrote them): 64 x 16 on 4 warps 2.6 us, 64 x 32 on
@@ -54,6 +54,6 @@ def sum_partials(*buffers: tuple[Tensor, torch.dtype]) -> list[Tensor]:
     outs = [torch.empty(n_cols, dtype=dtype, device=part.device) for part, dtype in buffers]
     if n_cols:
         (part, _), (part2, _) = buffers[0], buffers[-1]
-        launch(_sum_partials_kernel, (triton.cdiv(n_cols, BLOCK_C), len(buffers)), part, outs[0], part2, outs[-1],
+        launch(_sum_partials_kernel, (cdiv(n_cols, BLOCK_C), len(buffers)), part, outs[0], part2, outs[-1],
                n_parts, n_cols, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
     return outs

@@ -36,6 +36,7 @@ from torch import Tensor
 from onepass import reference
 from onepass.ops._launch import (
     as_rows,
+    cdiv,
     check_float,
     check_same_device,
     check_same_shape,
@@ -183,7 +184,7 @@ def _act_bwd_kernel(
 
 
 def _grid(m, n, tile):
-    return (triton.cdiv(m, tile[0]) * triton.cdiv(n, tile[1]),)
+    return (cdiv(m, tile[0]) * cdiv(n, tile[1]),)
 
 
 def _rows(t: Tensor, has_bias: bool) -> Tensor:
@@ -216,13 +217,13 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
     block_m, block_n, num_warps = TILE_BIAS_BWD if bias is not None else TILE_FLAT
     x2 = _rows(x, bias is not None)
     m, n = x2.shape
-    col_tiles, row_tiles = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    col_tiles, row_tiles = cdiv(n, block_n), cdiv(m, block_m)
     # with a bias, enough row groups to fill the device; each owns one partial row of db
     groups = 1
     if bias is not None and m:
         groups = max(1, min(row_tiles, num_programs_for(x.device) * BIAS_BWD_PROGRAMS_PER_SM // col_tiles))
-    tiles_per_program = triton.cdiv(row_tiles, groups)
-    groups = triton.cdiv(row_tiles, tiles_per_program) if m else 0
+    tiles_per_program = cdiv(row_tiles, groups)
+    groups = cdiv(row_tiles, tiles_per_program) if m else 0
     db_part = torch.empty((groups if bias is not None else 0, n), dtype=torch.float32, device=x.device)
     if x.numel():
         bias = bias.contiguous() if bias is not None else None

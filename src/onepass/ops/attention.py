@@ -56,7 +56,17 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, eager_autograd, interpreting, launch, route, use_triton
+from onepass.ops._launch import (
+    cdiv,
+    check_float,
+    check_same_device,
+    eager_autograd,
+    interpreting,
+    launch,
+    next_power_of_2,
+    route,
+    use_triton,
+)
 from onepass.reference.attention import window_bounds
 
 MAX_HEAD_DIM = 256
@@ -497,7 +507,7 @@ def _attn_bwd_dq_kernel(
 
 
 def block_d_for(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -526,7 +536,7 @@ class _Geometry:
         self.group = self.heads // self.kv_heads
         self.n_seqs = cu_seqlens.numel() - 1 if self.varlen else self.batch
         self.total = self.seqlen_q if self.varlen else 0
-        self.block_seqs = triton.next_power_of_2(self.n_seqs + 1) if self.varlen else 1
+        self.block_seqs = next_power_of_2(self.n_seqs + 1) if self.varlen else 1
         self.cu_seqlens = cu_seqlens
         self.block_d = block_d_for(self.head_dim)
 
@@ -551,8 +561,8 @@ class _Geometry:
 
     def grid(self, block: int, heads: int, seqlen: int) -> tuple[int, int]:
         if self.varlen:
-            return (triton.cdiv(self.total, block) + self.n_seqs, heads)
-        return (triton.cdiv(seqlen, block), self.batch * heads)
+            return (cdiv(self.total, block) + self.n_seqs, heads)
+        return (cdiv(seqlen, block), self.batch * heads)
 
     def seq_args(self) -> tuple:
         return self.n_seqs, self.total

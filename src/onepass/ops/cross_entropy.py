@@ -62,21 +62,32 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from onepass import reference
-from onepass.ops._launch import as_rows, check_float, check_same_device, flat, launch, num_programs_for, use_triton
+from onepass.ops._launch import (
+    as_rows,
+    cdiv,
+    check_float,
+    check_same_device,
+    flat,
+    launch,
+    next_power_of_2,
+    num_programs_for,
+    use_triton,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 
 # Tunables (one place, for the GPU sweep): columns of a row a program handles per step,
-# and its warps (H200, 8192 x 128256 bf16, kernel time: 4096 x 8 warps 1.511 ms, 8192 x 8
-# 1.517, 4096 x 4 1.516, 8192 x 4 1.625, 16384 x 8 1.608, 32768 x 32 1.540).
-CE_MAX_BLOCK = 4096
-CE_MAX_WARPS = 8
+# and its warps. H200 kernel times, 8192 x 128256 bf16: 8192 x 16 warps 1.524 ms, 4096 x 8
+# 1.534, 2048 x 4 1.550, 8192 x 8 1.734, 16384 x 16 1.931, 32768 x 32 1.720; 4096 x 128256
+# fp32: 8192 x 16 1.487, 4096 x 16 1.512, 4096 x 8 1.545; 8192 x 32000 fp32: 0.654 / 0.697 / 0.727.
+CE_MAX_BLOCK = 8192
+CE_MAX_WARPS = 16
 TARGET_BLOCK = 1024  # targets counted per program by the check kernel
 
 
 def ce_settings(n_cols: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for the cross-entropy kernels."""
-    block = min(triton.next_power_of_2(max(n_cols, 1)), CE_MAX_BLOCK)
+    block = min(next_power_of_2(max(n_cols, 1)), CE_MAX_BLOCK)
     return block, max(1, min(CE_MAX_WARPS, block // 512))
 
 
@@ -161,7 +172,7 @@ def _cross_entropy_fwd_kernel(
         # Pass 2, backwards through the row (its last blocks are the likeliest still in
         # L2); in place when grad_ptr is x_ptr: each block is read before it is written.
         # Neither a load ahead nor evict_first pays here (H200, 8192 x 128256 bf16, kernel
-        # 1.511 ms: 1.530 with both).
+        # 1.511 ms: 1.530 with both, 4096 x 8 warps).
         g_row = grad_ptr + row * grad_row_stride
         scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
         if MEAN:
@@ -213,7 +224,7 @@ def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
     counts = torch.zeros(2, dtype=torch.int32, device=target.device)
     n = target.numel()
     if n:
-        launch(_targets_kernel, (triton.cdiv(n, TARGET_BLOCK),), target, counts, n, n_cols, ignore_index,
+        launch(_targets_kernel, (cdiv(n, TARGET_BLOCK),), target, counts, n, n_cols, ignore_index,
                BLOCK=TARGET_BLOCK)
     message = f"cross_entropy: a target is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
     if target.is_cuda:
@@ -282,7 +293,7 @@ def scale_rows_(grad2: Tensor, dloss: Tensor) -> None:
     programs = max(1, min(rows, num_programs_for(grad2.device) * 4))
     block, num_warps = ce_settings(n_cols)
     launch(_cross_entropy_bwd_kernel, (programs,),
-        grad2, dloss, grad2.stride(0), 1 if dloss.numel() > 1 else 0, rows, n_cols, triton.cdiv(rows, programs),
+        grad2, dloss, grad2.stride(0), 1 if dloss.numel() > 1 else 0, rows, n_cols, cdiv(rows, programs),
         BLOCK_N=block, num_warps=num_warps,
     )
 

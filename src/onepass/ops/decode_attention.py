@@ -34,10 +34,12 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._launch import (
+    cdiv,
     check_float,
     check_same_device,
     interpreting,
     launch,
+    next_power_of_2,
     num_programs_for,
     route,
     use_triton,
@@ -130,7 +132,7 @@ def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_le
     splits 84.5% of copy at a 4k cache, 103% at 32k; 5 splits 78.9% and 96.9%;
     benchmarks/tune_decode.py)."""
     want = max(1, 2 * num_programs_for(device) // max(1, batch * kv_heads))
-    return max(1, min(want, triton.cdiv(cache_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    return max(1, min(want, cdiv(cache_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
 def _bhsd(t: Tensor, layout: str) -> Tensor:
@@ -161,14 +163,14 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
         qv, kv, vv, cache_seqlens, o_part, lse_part,
         *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3],
         kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0,
-        SOFTCAP=bool(softcap), HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * n_tokens)),
+        SOFTCAP=bool(softcap), HEAD_DIM=head_dim, BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
         BLOCK_N=block_n, BLOCK_D=block_d, LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
         PRECISION=precision_for(q.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )
     launch(_decode_merge_kernel, (rows,),
         o_part, lse_part, ov, heads, n_tokens, splits, *ov.stride()[:3],
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=MERGE_WARPS,
+        HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=MERGE_WARPS,
     )
     return out
 

@@ -45,6 +45,7 @@ from torch import Tensor
 from onepass import reference
 from onepass.ops._launch import (
     as_rows,
+    cdiv,
     check_float,
     check_probability,
     check_same_device,
@@ -347,7 +348,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
             dy2, dh_out2, h2, weight if weight is not None else h2, mean, rstd, dres2, dx2,
             dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
             dy2.stride(0), dh_out2.stride(0), h2.stride(0), dres2.stride(0), dx2.stride(0),
-            m, n, triton.cdiv(m, programs), dropout_p, seed,
+            m, n, cdiv(m, programs), dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block, ONE_BLOCK=one_block,
             num_warps=num_warps,

@@ -36,7 +36,16 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, eager_autograd, launch, route, use_triton
+from onepass.ops._launch import (
+    cdiv,
+    check_float,
+    check_same_device,
+    eager_autograd,
+    launch,
+    next_power_of_2,
+    route,
+    use_triton,
+)
 
 # Launch tunables: a program rotates about TILE_ELEMENTS values (BLOCK_H heads x R dims)
 # with NUM_WARPS warps. H200, q [4,32,4096,128] k [4,8,4096,128] bf16 forward: 1024 / 1 warp
@@ -165,9 +174,9 @@ def _tables(cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: st
 
 def _settings(rot: int, head_dim: int, n_heads: int) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_HALF, BLOCK_REST)."""
-    block_half = triton.next_power_of_2(rot // 2)
-    block_h = min(triton.next_power_of_2(n_heads), max(1, TILE_ELEMENTS // (2 * block_half)))
-    return block_h, block_half, triton.next_power_of_2(max(head_dim - rot, 1))
+    block_half = next_power_of_2(rot // 2)
+    block_h = min(next_power_of_2(n_heads), max(1, TILE_ELEMENTS // (2 * block_half)))
+    return block_h, block_half, next_power_of_2(max(head_dim - rot, 1))
 
 
 def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
@@ -179,8 +188,8 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     cos, sin, cos_batch_stride, pos, pos_batch_stride, pos_seq_stride = _tables(cos, sin, position_ids, layout)
     rot = cos.shape[-1]
     block_h, block_half, block_rest = _settings(rot, d, max(hq, hk))
-    q_blocks = triton.cdiv(hq, block_h)
-    launch(_rope_kernel, (b * s, q_blocks + triton.cdiv(hk, block_h)),
+    q_blocks = cdiv(hq, block_h)
+    launch(_rope_kernel, (b * s, q_blocks + cdiv(hk, block_h)),
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
         s, hq, hk, q_blocks, cos.shape[-2],
         *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(q_out, layout), *_bsh_strides(k_out, layout),

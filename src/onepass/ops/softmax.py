@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import check_float, check_same_device, launch, row_settings, use_triton
+from onepass.ops._launch import cdiv, check_float, check_same_device, launch, row_settings, use_triton
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(z) = exp2(z * log2(e))
 
@@ -217,7 +217,7 @@ def _softmax_fwd_launch(x: Tensor, mask: Optional[Tensor], scale: float, causal:
     if mode == BOOL_MASK:
         m4 = m4.view(torch.uint8)
     block_m, block_n, num_warps = _settings(n_cols)
-    launch(_softmax_fwd_kernel, (triton.cdiv(n_rows, block_m),),
+    launch(_softmax_fwd_kernel, (cdiv(n_rows, block_m),),
         x4, m4 if m4 is not None else x4, y,
         n_rows, n_cols, seq_q, heads, n_cols - seq_q, scale * LOG2E.value,
         xs[0], xs[1], xs[2], ms[0], ms[1], ms[2], ms[3],
@@ -236,7 +236,7 @@ def _softmax_bwd_launch(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Te
     seq_q = y.shape[-2] if y.dim() >= 2 else 1
     n_rows = y.numel() // n_cols
     block_m, block_n, num_warps = _settings(n_cols)
-    launch(_softmax_bwd_kernel, (triton.cdiv(n_rows, block_m),),
+    launch(_softmax_bwd_kernel, (cdiv(n_rows, block_m),),
         y, dy, dx, n_rows, n_cols, seq_q, n_cols - seq_q, scale,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=n_cols <= block_n, num_warps=num_warps,
     )
