@@ -17,18 +17,20 @@ of each chunk's logits; with ``reduction="none"`` the per-token upstream gradien
 only known in backward, which then recomputes the logits (a fourth matmul).
 
 Chunk size: each chunk's dW GEMM reads and writes the whole [V, H] accumulator for 2 C V
-H flops, i.e. C / (accumulator element size) flop per byte. The H100/H200 ridge is ~200-300
-flop/B, but at that intensity the traffic does not hide under the math (cuBLAS's dW GEMM
-of a 1024-token chunk: 1.04 ms into an fp32 accumulator, 0.89 without one); C = 512 x the
-element size (2048 tokens for float32, 1024 for a 16-bit accumulator) does. Measured (H200,
-8192 x 2048 x 128256 bf16, benchmarks/tune_loss.py), the op against its three full
+H flops, i.e. C / (accumulator element size) flop per byte. The default, C = 256 x that
+size (1024 tokens for float32, 512 for a 16-bit accumulator), sits at the H100/H200 ridge
+(~200-300 flop/B) and keeps the logits buffer small; the accumulator traffic does not
+fully hide there (cuBLAS's dW GEMM of a 1024-token chunk: 1.04 ms into an fp32
+accumulator, 0.89 without one), so twice the chunk is faster for more memory. Measured
+(H200, 8192 x 2048 x 128256 bf16, benchmarks/tune_loss.py), the op against its three full
 matmuls: float32 accumulator 1.252x at 1024 tokens (1.74 GiB above the inputs), 1.159x at
-2048 (1.99 GiB), 1.366x at 4096 (2.48 GiB: the larger logits buffer falls out of L2's
-reach); bf16 accumulator 1.296x at 512 (0.64 GiB), 1.175x at 1024 (0.77), 1.210x at 2048.
+2048 (1.99 GiB), 1.366x at 4096 (2.48 GiB); bf16 accumulator 1.296x at 512 (0.64 GiB),
+1.175x at 1024 (0.77), 1.210x at 2048. The default keeps the memory (in a training step the
+loss runs at the peak, with every activation saved): ``chunk_size=2048`` buys the 7%.
 Memory above the inputs and the gradients themselves: the [C, V] logits buffer (C V s
 bytes), plus the float32 dW accumulator (4 V H bytes) and its final cast. Liger
 accumulates dW in the weight's dtype with C ~ 256, which is why its peak is lower;
-``accum_dtype=weight.dtype`` does the same here (C = 1024 by default, and no final cast),
+``accum_dtype=weight.dtype`` does the same here (C = 512 by default, and no final cast),
 at the cost of T / C roundings of dW to 16 bits.
 """
 
@@ -52,7 +54,7 @@ from onepass.ops.cross_entropy import (
 
 # Tunables: the dW GEMM's arithmetic intensity in flop per byte of accumulator traffic
 # (sets the chunk: 256 x accumulator element size tokens), and the chunk rounding.
-WGRAD_FLOP_PER_BYTE = 512
+WGRAD_FLOP_PER_BYTE = 256
 CHUNK_MULTIPLE = 64
 
 
