@@ -76,18 +76,22 @@ from onepass.ops._launch import (
 
 REDUCTIONS = ("mean", "sum", "none")
 
-# Tunables (one place, for the GPU sweep): columns of a row a program handles per step,
-# and its warps. H200 kernel times, 8192 x 128256 bf16: 8192 x 16 warps 1.524 ms, 4096 x 8
-# 1.534, 2048 x 4 1.550, 8192 x 8 1.734, 16384 x 16 1.931, 32768 x 32 1.720; 4096 x 128256
-# fp32: 8192 x 16 1.487, 4096 x 16 1.512, 4096 x 8 1.545; 8192 x 32000 fp32: 0.654 / 0.697 / 0.727.
+# Tunables (one place, for the GPU sweep): columns of a row a program handles per step
+# (one warp a 512), when the gradient is written (two reads and a write a row) and when
+# not (one read). H200 kernel times, 8192 x 128256 bf16 with the gradient: 8192 x 16 warps
+# 1.510-1.524 ms, 4096 x 8 1.524-1.534, 2048 x 4 1.537-1.550, 8192 x 8 1.734, 16384 x 16
+# 1.931, 32768 x 32 1.720; 4096 x 128256 fp32: 8192 x 16 1.487, 4096 x 16 1.512, 4096 x 8
+# 1.545; 8192 x 32000 fp32: 0.654 / 0.697 / 0.727. Without the gradient (bf16 forward):
+# 4096 x 8 0.613 ms, 8192 x 16 0.691.
 CE_MAX_BLOCK = 8192
+CE_MAX_BLOCK_NO_GRAD = 4096
 CE_MAX_WARPS = 16
 TARGET_BLOCK = 1024  # targets counted per program by the check kernel
 
 
-def ce_settings(n_cols: int) -> tuple[int, int]:
+def ce_settings(n_cols: int, with_grad: bool = True) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for the cross-entropy kernels."""
-    block = min(next_power_of_2(max(n_cols, 1)), CE_MAX_BLOCK)
+    block = min(next_power_of_2(max(n_cols, 1)), CE_MAX_BLOCK if with_grad else CE_MAX_BLOCK_NO_GRAD)
     return block, max(1, min(CE_MAX_WARPS, block // 512))
 
 
@@ -245,8 +249,8 @@ def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reductio
     rows, n_cols = x2.shape
     if rows == 0:
         return
-    block, num_warps = ce_settings(n_cols)
     write_grad = grad2 is not None
+    block, num_warps = ce_settings(n_cols, write_grad)
     launch(_cross_entropy_fwd_kernel, (rows,),
         x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else lse, counts, scale,
         x2.stride(0), grad2.stride(0) if write_grad else 0, scale.stride(0) if scale.dim() else 0,
