@@ -129,6 +129,37 @@ def test_argmax_and_lse_across_blocks(monkeypatch, device):
     assert_close(lse, reference.logsumexp_argmax(logits.double(), None)[0], torch.float32, "lse")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "row view", "row view, inplace_grad"])
+def test_rows_not_aligned_to_16_bytes(dtype, layout, monkeypatch, device):
+    """Rows of 301 logits start at every offset from a 16-byte boundary: each row's head,
+    whole groups (in several blocks) and tail; a row view (stride 305) gives x and its
+    gradient different strides, unless the gradient is written in place."""
+    ce = importlib.import_module("onepass.ops.cross_entropy")
+    monkeypatch.setattr(ce, "CE_MAX_BLOCK", 64)
+    monkeypatch.setattr(ce, "CE_MAX_BLOCK_NO_GRAD", 64)
+    base = torch.randn(6, 305, device=device) * 3
+    base[0, [150, 300]] = 40.0  # ties: the first one wins, in the groups or the tail
+    base[1, [0, 300]] = 40.0
+    base[2, 300] = 40.0
+    base[3, [1, 2]] = 40.0
+    logits = base.to(dtype)[:, :301]
+    if layout == "contiguous":
+        logits = logits.contiguous()
+    target = torch.tensor([3, 300, 0, -100, 150, 7], device=device)
+    _, lse, pred = ops.cross_entropy(logits, target, return_lse=True, return_pred=True)
+    assert pred.tolist()[:4] == [150, 0, 300, 1]
+    assert_close(lse, reference.logsumexp_argmax(logits.double(), None)[0], dtype, "lse")
+    if "inplace" not in layout:
+        _check(logits, target, dtype, reduction="sum", label_smoothing=0.1, softcap=30.0)
+        return
+    ref_in = logits.double().requires_grad_(True)
+    reference.cross_entropy(ref_in, target, reduction="sum").backward()
+    logits.requires_grad_(True)
+    ops.cross_entropy(logits, target, reduction="sum", inplace_grad=True).backward()
+    assert_close(logits.grad, ref_in.grad, dtype, "dlogits")
+
+
 def test_non_contiguous_logits(device):
     logits = torch.randn(90, 7, device=device).t()  # [7, 90], stride (1, 7)
     _check(logits, _targets((7,), 90, device), torch.float32, label_smoothing=0.1)
