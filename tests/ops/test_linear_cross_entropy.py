@@ -97,10 +97,10 @@ def test_empty_batch(device):
 
 
 def test_chunk_size_from_the_accumulator():
-    # 256 x accumulator bytes, evened out over the chunks, multiples of 64
-    assert chunk_tokens(8192, torch.float32) == 1024
-    assert chunk_tokens(8192, torch.bfloat16) == 512
-    assert chunk_tokens(3000, torch.float32) == 1024  # 3 chunks of <= 1000, rounded up to 64
+    # 512 x accumulator bytes, evened out over the chunks, multiples of 64
+    assert chunk_tokens(8192, torch.float32) == 2048
+    assert chunk_tokens(8192, torch.bfloat16) == 1024
+    assert chunk_tokens(3000, torch.float32) == 1536  # 2 chunks of 1500, rounded up to 64
     assert chunk_tokens(100, torch.float32) == 100  # one chunk
     assert chunk_tokens(100, torch.float32, chunk_size=7) == 7
 

@@ -17,20 +17,20 @@ of each chunk's logits; with ``reduction="none"`` the per-token upstream gradien
 only known in backward, which then recomputes the logits (a fourth matmul).
 
 Chunk size: each chunk's dW GEMM reads and writes the whole [V, H] accumulator for 2 C V
-H flops, i.e. C / (accumulator element size) flop per byte. The default, C = 256 x that
-size (1024 tokens for float32, 512 for a 16-bit accumulator), sits at the H100/H200 ridge
-(~200-300 flop/B) and keeps the logits buffer small; the accumulator traffic does not
-fully hide there (cuBLAS's dW GEMM of a 1024-token chunk: 1.04 ms into an fp32
-accumulator, 0.89 without one), so twice the chunk is faster for more memory. Measured
-(H200, 8192 x 2048 x 128256 bf16, benchmarks/tune_loss.py), the op against its three full
-matmuls: float32 accumulator 1.252x at 1024 tokens (1.74 GiB above the inputs), 1.159x at
-2048 (1.99 GiB), 1.366x at 4096 (2.48 GiB); bf16 accumulator 1.296x at 512 (0.64 GiB),
-1.175x at 1024 (0.77), 1.210x at 2048. The default keeps the memory (in a training step the
-loss runs at the peak, with every activation saved): ``chunk_size=2048`` buys the 7%.
+H flops, i.e. C / (accumulator element size) flop per byte. At the H100/H200 ridge (~200-300
+flop/B) that traffic does not hide under the math (cuBLAS's dW GEMM of a 1024-token chunk:
+1.04 ms into an fp32 accumulator, 0.89 without one); C = 512 x the element size (2048
+tokens for float32, 1024 for a 16-bit accumulator) does. Measured (H200, 8192 x 2048 x
+128256 bf16, benchmarks/tune_loss.py), the op against its three full matmuls, float32
+accumulator: 1.252x at 1024 tokens, 1.159x at 2048, 1.366x at 4096; bf16 accumulator:
+1.296x at 512, 1.175x at 1024, 1.210x at 2048. The logits buffer is freed before the
+accumulator's final cast, so with float32 the peak is the accumulator plus the larger of
+the buffer and the cast: a 2048-token buffer (C V s = 0.5 GiB at this shape) costs no more
+than the cast.
 Memory above the inputs and the gradients themselves: the [C, V] logits buffer (C V s
 bytes), plus the float32 dW accumulator (4 V H bytes) and its final cast. Liger
 accumulates dW in the weight's dtype with C ~ 256, which is why its peak is lower;
-``accum_dtype=weight.dtype`` does the same here (C = 512 by default, and no final cast),
+``accum_dtype=weight.dtype`` does the same here (C = 1024 by default, and no final cast),
 at the cost of T / C roundings of dW to 16 bits.
 """
 
@@ -54,7 +54,7 @@ from onepass.ops.cross_entropy import (
 
 # Tunables: the dW GEMM's arithmetic intensity in flop per byte of accumulator traffic
 # (sets the chunk: 256 x accumulator element size tokens), and the chunk rounding.
-WGRAD_FLOP_PER_BYTE = 256
+WGRAD_FLOP_PER_BYTE = 512
 CHUNK_MULTIPLE = 64
 
 
@@ -120,6 +120,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
             _accumulate_mm(d_weight, z.t(), h_c, beta=int(start > 0))
         if need_db:
             d_bias += z.sum(0, dtype=torch.float32)
+    buf = z = None  # the logits buffer is not held through the cast of the dW accumulator below
     loss = reduce_loss(loss_rows, counts, reduction, target.shape, hidden.dtype)
     return (
         loss, lse.view(target.shape), pred.view(target.shape) if return_pred else pred,
