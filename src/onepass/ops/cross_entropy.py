@@ -187,8 +187,8 @@ def _cross_entropy_fwd_kernel(
     arg = tl.zeros((), tl.int32)
     x_next = tl.load(x_al + H * ALIGN + cols, mask=H * ALIGN + cols < group_end, other=0.0)
     head_ok = (edge >= lead) & (edge < H * ALIGN) & (edge < lead + n_cols)
-    m, s, z_sum, arg = _fold(tl.load(x_al + edge, mask=head_ok & reads, other=0.0), edge, head_ok, m, s, z_sum, arg,
-                             softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
+    m, s, z_sum, arg = _fold(tl.load(x_al + edge, mask=head_ok & reads, other=0.0), edge, head_ok & reads, m, s,
+                             z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
     for start in range(H * ALIGN, group_end, BLOCK_N):
         a = start + cols
         x_block = x_next
@@ -197,8 +197,8 @@ def _cross_entropy_fwd_kernel(
                                  HAS_SMOOTHING)
     tail = tl.maximum(G, H) * ALIGN + edge
     tail_ok = tail < lead + n_cols
-    m, s, z_sum, arg = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail, tail_ok, m, s, z_sum, arg,
-                             softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
+    m, s, z_sum, arg = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail, tail_ok & reads, m, s,
+                             z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
     lse = m + tl.log(s)
     if WRITE_PRED:
         tl.store(pred_ptr + row, (arg - lead).to(tl.int64))
