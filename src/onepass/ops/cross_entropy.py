@@ -187,8 +187,9 @@ def _cross_entropy_fwd_kernel(
     arg = tl.zeros((), tl.int32)
     x_next = tl.load(x_al + H * ALIGN + cols, mask=H * ALIGN + cols < group_end, other=0.0)
     head_ok = (edge >= lead) & (edge < H * ALIGN) & (edge < lead + n_cols)
-    m, s, z_sum, arg = _fold(tl.load(x_al + edge, mask=head_ok & reads, other=0.0), edge, head_ok & reads, m, s,
-                             z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
+    if ALIGN > 1:  # (empty otherwise: no reductions spent on them)
+        m, s, z_sum, arg = _fold(tl.load(x_al + edge, mask=head_ok & reads, other=0.0), edge, head_ok & reads, m, s,
+                                 z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
     for start in range(H * ALIGN, group_end, BLOCK_N):
         a = start + cols
         x_block = x_next
@@ -197,8 +198,9 @@ def _cross_entropy_fwd_kernel(
                                  HAS_SMOOTHING)
     tail = tl.maximum(G, H) * ALIGN + edge
     tail_ok = tail < lead + n_cols
-    m, s, z_sum, arg = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail, tail_ok & reads, m, s,
-                             z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
+    if ALIGN > 1:
+        m, s, z_sum, arg = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail, tail_ok & reads, m, s,
+                                 z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
     lse = m + tl.log(s)
     if WRITE_PRED:
         tl.store(pred_ptr + row, (arg - lead).to(tl.int64))
@@ -233,12 +235,13 @@ def _cross_entropy_fwd_kernel(
             ok = a < group_end
             _write_grad(tl.load(x_al + a, mask=ok, other=0.0), a, g_al + a, ok, a_t, lse, p_coef, smooth, hit, softcap,
                         HAS_SOFTCAP)
-        head_ok = head_ok & valid
-        _write_grad(tl.load(x_al + edge, mask=head_ok, other=0.0), edge, g_al + edge, head_ok, a_t, lse, p_coef, smooth,
-                    hit, softcap, HAS_SOFTCAP)
-        tail_ok = tail_ok & valid
-        _write_grad(tl.load(x_al + tail, mask=tail_ok, other=0.0), tail, g_al + tail, tail_ok, a_t, lse, p_coef, smooth,
-                    hit, softcap, HAS_SOFTCAP)
+        if ALIGN > 1:
+            head_ok = head_ok & valid
+            _write_grad(tl.load(x_al + edge, mask=head_ok, other=0.0), edge, g_al + edge, head_ok, a_t, lse, p_coef,
+                        smooth, hit, softcap, HAS_SOFTCAP)
+            tail_ok = tail_ok & valid
+            _write_grad(tl.load(x_al + tail, mask=tail_ok, other=0.0), tail, g_al + tail, tail_ok, a_t, lse, p_coef,
+                        smooth, hit, softcap, HAS_SOFTCAP)
         # an ignored row's gradient is zero: written without reading the row
         g_row = grad_ptr + row * grad_row_stride
         for start in range(tl.where(valid, n_cols, 0), n_cols, BLOCK_N):
