@@ -10,12 +10,11 @@ choice marked, so ``default_num_splits`` can be checked against the best.
 
 from __future__ import annotations
 
-import torch
 from triton.testing import do_bench_cudagraph
 
 from onepass import ops
 from onepass.bench.harness import measure_ceilings
-from onepass.bench.suites.attention import DECODE_GRAPH_BYTES, DECODE_KV_HEADS, DECODE_Q_HEADS, HEAD_DIM
+from onepass.bench.suites.attention import DECODE_KV_HEADS, decode_graph_layers, decode_inputs, decode_kv_bytes
 from onepass.ops.decode_attention import default_num_splits
 
 
@@ -24,12 +23,9 @@ def main():
     print(f"copy {copy:.0f} GB/s", flush=True)
     for batch in (1, 8):
         for cache_len in (4096, 32768, 131072):
-            kv_bytes = 2 * batch * DECODE_KV_HEADS * cache_len * HEAD_DIM * 2
-            layers = -(-DECODE_GRAPH_BYTES // kv_bytes)
-            q = torch.randn(batch, DECODE_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            caches = [[torch.randn(batch, DECODE_KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                       for _ in range(2)] for _ in range(layers)]
-            seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+            kv_bytes = decode_kv_bytes(batch, cache_len)
+            layers = decode_graph_layers(batch, cache_len)
+            q, caches, seqlens = decode_inputs(batch, cache_len, layers)
             default = default_num_splits(q.device, batch, DECODE_KV_HEADS, cache_len)
             for splits in sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, default}):
                 def step():

@@ -9,6 +9,8 @@ from onepass import ops, reference
 from onepass.ops.cross_entropy import CE_MAX_BLOCK
 from onepass.testing import assert_close
 
+ce = importlib.import_module("onepass.ops.cross_entropy")
+
 # The interpreter runs inf arithmetic on the rows it skips (ignored targets): numpy warns.
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
@@ -117,7 +119,6 @@ def test_argmax_ties_pick_the_first_index(device):
 
 
 def test_argmax_and_lse_across_blocks(monkeypatch, device):
-    ce = importlib.import_module("onepass.ops.cross_entropy")
     monkeypatch.setattr(ce, "CE_MAX_BLOCK", 32)  # rows of 300: ten blocks
     logits = torch.randn(3, 300, device=device)
     logits[0, [17, 60, 299]] = 5.0  # ties in three blocks
@@ -135,7 +136,6 @@ def test_rows_not_aligned_to_16_bytes(dtype, layout, monkeypatch, device):
     """Rows of 301 logits start at every offset from a 16-byte boundary: each row's head,
     whole groups (in several blocks) and tail; a row view (stride 305) gives x and its
     gradient different strides, unless the gradient is written in place."""
-    ce = importlib.import_module("onepass.ops.cross_entropy")
     monkeypatch.setattr(ce, "CE_MAX_BLOCK", 64)
     monkeypatch.setattr(ce, "CE_MAX_BLOCK_NO_GRAD", 64)
     base = torch.randn(6, 305, device=device) * 3

@@ -27,6 +27,7 @@ accumulator: 1.252x at 1024 tokens, 1.159x at 2048, 1.366x at 4096; bf16 accumul
 accumulator's final cast, so with float32 the peak is the accumulator plus the larger of
 the buffer and the cast: a 2048-token buffer (C V s = 0.5 GiB at this shape) costs no more
 than the cast.
+
 Memory above the inputs and the gradients themselves: the [C, V] logits buffer (C V s
 bytes), plus the float32 dW accumulator (4 V H bytes) and its final cast. Liger
 accumulates dW in the weight's dtype with C ~ 256, which is why its peak is lower;

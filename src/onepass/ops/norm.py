@@ -384,8 +384,8 @@ def _(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
 @torch.library.custom_op("onepass::norm_bwd", mutates_args=())
 def _norm_bwd(
     dy: Tensor, dh_out: Optional[Tensor], h: Tensor, weight: Optional[Tensor], bias_dtype: Optional[torch.dtype],
-    mean: Tensor,
-    rstd: Tensor, dropout_p: float, seed: int, is_rms: bool, x_dtype: torch.dtype, has_residual: bool, leaves: bool,
+    mean: Tensor, rstd: Tensor, dropout_p: float, seed: int, is_rms: bool, x_dtype: torch.dtype, has_residual: bool,
+    leaves: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (d_h, dx, dw, db): d_h is the residual's gradient (x's without a residual);
     dx is empty unless dropout or a dtype change makes it differ from d_h; dw and db are

@@ -77,12 +77,27 @@ def _make_prefill(seq_len: int, causal: bool, mode: str):
     return make
 
 
+def decode_kv_bytes(batch: int, cache_len: int) -> int:
+    """One layer's K and V caches, in bytes."""
+    return 2 * batch * DECODE_KV_HEADS * cache_len * HEAD_DIM * DTYPE.itemsize
+
+
+def decode_graph_layers(batch: int, cache_len: int) -> int:
+    """Layers a graph-replayed decode step runs: enough that their caches exceed DECODE_GRAPH_BYTES."""
+    return -(-DECODE_GRAPH_BYTES // decode_kv_bytes(batch, cache_len))
+
+
+def decode_inputs(batch: int, cache_len: int, layers: int):
+    """(q, [(k_cache, v_cache)] a layer, cache_seqlens) of a decode step with full caches."""
+    q = torch.randn(batch, DECODE_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+    caches = [[torch.randn(batch, DECODE_KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE)
+               for _ in range(2)] for _ in range(layers)]
+    return q, caches, torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+
+
 def _make_decode(batch: int, cache_len: int, layers: int = 1, graph: bool = False):
     def make():
-        q = torch.randn(batch, DECODE_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
-        caches = [[torch.randn(batch, DECODE_KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE)
-                   for _ in range(2)] for _ in range(layers)]
-        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+        q, caches, seqlens = decode_inputs(batch, cache_len, layers)
 
         def each_layer(fn, *args, **kwargs):
             return lambda: [fn(q, k, v, *args, **kwargs) for k, v in caches]
@@ -108,12 +123,12 @@ def cases() -> list[Case]:
                                 flops=int(flops * mult), measure_memory=True))
     for batch in DECODE_BATCHES:
         for cache_len in DECODE_CACHE_LENS:
-            kv_bytes = 2 * batch * DECODE_KV_HEADS * cache_len * HEAD_DIM * DTYPE.itemsize
+            kv_bytes = decode_kv_bytes(batch, cache_len)
             flops = 4 * batch * DECODE_Q_HEADS * cache_len * HEAD_DIM
             shape = f"B{batch} Hq{DECODE_Q_HEADS} Hk{DECODE_KV_HEADS} L{cache_len} D{HEAD_DIM} bf16"
             out.append(Case("decode_attention", "fwd", shape, _make_decode(batch, cache_len), bytes=kv_bytes,
                             flops=flops))
-            layers = -(-DECODE_GRAPH_BYTES // kv_bytes)
+            layers = decode_graph_layers(batch, cache_len)
             out.append(Case("decode_attention", "fwd, CUDA graph", f"{shape}, {layers} layer(s)",
                             _make_decode(batch, cache_len, layers, graph=True), bytes=layers * kv_bytes,
                             flops=layers * flops, cuda_graph=True))
