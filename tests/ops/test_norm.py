@@ -34,19 +34,24 @@ def _check_against_reference(kind, x, res, w, b, dtype, scale=1.0, **kw):
     torch.autograd.backward(ref_outs, [g.double() for g in grads_out])
     for i, (o, r) in enumerate(zip(outs, ref_outs)):
         assert_close(o, r, dtype, f"output {i}", scale)
-    # With one feature dx cancels to ~0 and LayerNorm's dw is exactly 0: measure those
-    # against their natural scale, where the rounding of g = dy * w lands once multiplied by
-    # rstd = 1 / sqrt(var + eps) (up to 1000 for a constant row), and dw's 1000x below dy's.
+    # With one feature dx cancels to ~0, RMSNorm's dw is a sum of +-dy that may cancel, and
+    # LayerNorm's dw is exactly 0: measure gradients against their natural scale. For dx,
+    # where the rounding of g = dy * w lands once multiplied by rstd = 1 / sqrt(var + eps)
+    # (up to 1000 for a constant row); for dw and db, the size of the terms they sum.
     h = doubles[0].detach() + (doubles[1].detach() if res is not None else 0)
-    var = h.var(-1, unbiased=False) if kind.endswith("layer") else h.pow(2).mean(-1)
-    rstd = (var + (1e-5 if kind.endswith("layer") else 1e-6)).rsqrt().unsqueeze(-1)
-    g = grads_out[0].double() * (w.detach().double() if w is not None else 1.0)
-    floor = max(grads_out[0].double().norm().item(), (g * rstd).norm().item())
+    mean = h.mean(-1, keepdim=True) if kind.endswith("layer") else 0.0
+    var = (h - mean).pow(2).mean(-1, keepdim=True)
+    rstd = (var + (1e-5 if kind.endswith("layer") else 1e-6)).rsqrt()
+    dy = grads_out[0].double()
+    g = dy * (w.detach().double() if w is not None else 1.0)
+    floors = {"x": max(dy.norm().item(), (g * rstd).norm().item())}
+    floors["residual"] = floors["x"]
+    floors["weight"] = max(dy.norm().item() * 1e-3, (dy * (h - mean) * rstd).norm().item())
+    floors["bias"] = dy.norm().item()
     for name, t, d in zip(("x", "residual", "weight", "bias"), (x, res, w, b), doubles):
         if t is not None:
             assert t.grad is not None and t.grad.dtype == t.dtype, name
-            dw_floor = grads_out[0].double().norm().item() * 1e-3
-            assert_close(t.grad, d.grad, dtype, f"d{name}", scale, floor if name in ("x", "residual") else dw_floor)
+            assert_close(t.grad, d.grad, dtype, f"d{name}", scale, floors[name])
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -48,7 +48,7 @@ def sum_partials(*buffers: tuple[Tensor, torch.dtype]) -> list[Tensor]:
     [P, N] buffers of one shape, summed in one launch (zeros when P == 0)."""
     if not buffers:
         return []
-    if len(buffers) > 2 or len({part.shape for part, _ in buffers}) != 1:
+    if len(buffers) > 2 or buffers[0][0].shape != buffers[-1][0].shape:
         raise ValueError("sum_partials takes at most two partial buffers, of one shape")
     n_parts, n_cols = buffers[0][0].shape
     outs = [torch.empty(n_cols, dtype=dtype, device=part.device) for part, dtype in buffers]

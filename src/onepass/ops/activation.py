@@ -44,6 +44,7 @@ from onepass.ops._launch import (
     eager_autograd,
     launch,
     num_programs_for,
+    registered_outputs,
     route,
     use_triton,
 )
@@ -213,7 +214,7 @@ def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act
 def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int
                     ) -> tuple[Tensor, Tensor, Tensor]:
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    du = torch.empty(x.shape, dtype=up.dtype, device=x.device) if up is not None else x.new_empty(0)
+    du = torch.empty(x.shape, dtype=up.dtype, device=x.device) if up is not None else None
     block_m, block_n, num_warps = TILE_BIAS_BWD if bias is not None else TILE_FLAT
     x2 = _rows(x, bias is not None)
     m, n = x2.shape
@@ -235,7 +236,7 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
             ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,
         )
-    db = sum_partials((db_part, bias.dtype))[0] if bias is not None else x.new_empty(0)
+    db = sum_partials((db_part, bias.dtype))[0] if bias is not None else None
     return dx, du, db
 
 
@@ -257,7 +258,7 @@ def _(x, up, bias, act):
 def _act_bwd(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int
              ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, d_up, d_bias); d_up and d_bias are empty where there is no up or bias."""
-    return _act_bwd_launch(dy, x, up, bias, act)
+    return registered_outputs(_act_bwd_launch(dy, x, up, bias, act), x)
 
 
 @_act_bwd.register_fake

@@ -163,7 +163,8 @@ def _tables(cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: st
     if cos.dim() == 4:
         head_dim = 1 if layout == "bhsd" else 2
         cos, sin = cos.squeeze(head_dim), sin.squeeze(head_dim)
-    cos, sin = cos.reshape(-1, *cos.shape[-2:]), sin.reshape(-1, *sin.shape[-2:])
+    if cos.dim() != 3:
+        cos, sin = cos.reshape(-1, *cos.shape[-2:]), sin.reshape(-1, *sin.shape[-2:])
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:  # the kernel steps both with cos's strides
         cos, sin = cos.contiguous(), sin.contiguous()
     if position_ids is None:
@@ -277,9 +278,8 @@ def _check(q, k, cos, sin, position_ids, layout, style, inplace):
     if r % 2 or not 2 <= r <= d:
         raise ValueError(f"cos/sin last dim (the rotated dims) must be even and in [2, {d}], got {r}")
     if position_ids is None:
-        shapes = {(s, r)} | {(n, s, r) for n in (1, b)}
-        shapes |= {(n, 1, s, r) if layout == "bhsd" else (n, s, 1, r) for n in (1, b)}
-        if tuple(cos.shape) not in shapes:
+        heads_seq = (1, s) if layout == "bhsd" else (s, 1)
+        if tuple(cos.shape) not in ((s, r), (1, s, r), (b, s, r), (1, *heads_seq, r), (b, *heads_seq, r)):
             raise ValueError(f"cos/sin must be [S, R], [B or 1, S, R] or HF's unsqueezed 4-D form with S={s}, "
                              f"B={b}, R<={d}, got {tuple(cos.shape)}")
     else:
