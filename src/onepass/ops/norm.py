@@ -25,8 +25,11 @@ Byte budget (M rows of N, element size s; the dropout mask is never stored):
 
 The forward runs one row a program. Measured and dropped (H200, 16384 x 4096 bf16, CUDA
 graph): programs looping over rows with the weight and bias kept in registers (2-16 an
-SM: 70-92 us against 66-68), LayerNorm statistics in one pass over shifted values (no
-faster than the two reductions of the row held in registers).
+SM: 70-92 us against 66-68), the same with the next row's loads issued before this row's
+reductions (as the backward does; RMSNorm 70-78 us at 2-8 programs an SM against 66,
+LayerNorm 72-84 against 69: the row in flight raises the registers, RMSNorm 38 -> 63,
+LayerNorm 80 -> 167, so fewer programs fit an SM), LayerNorm statistics in one pass over
+shifted values (no faster than the two reductions of the row held in registers).
 
 The backward gives each program a contiguous run of rows and keeps its share of dw
 and db in fp32 registers; the per-program partials ([programs, N] fp32) are summed
@@ -54,6 +57,7 @@ from onepass.ops._launch import (
     eager_autograd,
     launch,
     num_programs_for,
+    registered_outputs,
     route,
     row_settings,
     use_triton,
@@ -291,21 +295,22 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     x2 = as_rows(x)
     m = x2.shape[0]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else x.new_empty(0)
-    mean = torch.empty(0 if is_rms else m, dtype=torch.float32, device=x.device)
+    h = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+    mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y, h, mean, rstd
     res2 = as_rows(residual) if residual is not None else x2
-    y2, h2 = y.view(m, n), (h.view(m, n) if residual is not None else y.view(m, n))
+    y2 = y.view(m, n)
+    h2 = h.view(m, n) if h is not None else y2
     # Values a thread in the forward, H200, 16384 x 4096 bf16 (CUDA graph, four interleaved
     # rounds): LayerNorm 32 (4 warps) 68.1 us against 16 (8 warps) 72.1; RMSNorm 16 65.9 us
     # against 32 67.0 (Liger's 65.7); add_rms_norm 32 132.4 us against 16 132.9. The backward
     # keeps 16 (8 warps: 0.121 ms, 4 warps: 0.125 ms).
     block, num_warps = row_settings(n, values_per_thread=16 if is_rms and residual is None else 32)
-    weight, bias = (t.contiguous() if t is not None else None for t in (weight, bias))
     launch(_norm_fwd_kernel, (m,),
-        x2, res2, weight if weight is not None else x2, bias if bias is not None else x2, y2, h2, mean, rstd,
+        x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
+        y2, h2, mean if mean is not None else rstd, rstd,
         x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
         n, eps, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
@@ -334,7 +339,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     # from it (dropout, or x in another dtype than the residual stream).
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
-    dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else dres.new_empty(0)
+    dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
     programs = max(1, min(m, num_programs_for(h.device) * BWD_PROGRAMS_PER_SM))
     block, num_warps = row_settings(n)
     one_block = n <= block
@@ -345,7 +350,8 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
         weight = weight.contiguous() if weight is not None else None
         dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dres.view(m, n))
         launch(_norm_bwd_kernel, (programs,),
-            dy2, dh_out2, h2, weight if weight is not None else h2, mean, rstd, dres2, dx2,
+            dy2, dh_out2, h2, weight if weight is not None else h2, mean if mean is not None else rstd, rstd, dres2,
+            dx2,
             dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
             dy2.stride(0), dh_out2.stride(0), h2.stride(0), dres2.stride(0), dx2.stride(0),
             m, n, cdiv(m, programs), dropout_p, seed,
@@ -356,8 +362,8 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     buffers = [(dw_part, weight.dtype)] if weight is not None else []
     buffers += [(db_part, bias_dtype)] if bias_dtype is not None else []
     sums = iter(sum_partials(*buffers))  # dw and db in one launch
-    dw = next(sums) if weight is not None else h.new_empty(0)
-    db = next(sums) if bias_dtype is not None else h.new_empty(0)
+    dw = next(sums) if weight is not None else None
+    db = next(sums) if bias_dtype is not None else None
     return dres, dx, dw, db
 
 
@@ -370,14 +376,14 @@ def _norm_fwd(
     eps: float, dropout_p: float, seed: int, is_rms: bool, out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, h, mean, rstd); h is empty without a residual, mean is empty for RMSNorm."""
-    return _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype)
+    return registered_outputs(_norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype), x)
 
 
 @_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     h = torch.empty_like(x, dtype=residual.dtype) if residual is not None else x.new_empty(0)
-    mean = x.new_empty(0 if is_rms else rows, dtype=torch.float32)
+    mean = x.new_empty(0) if is_rms else x.new_empty(rows, dtype=torch.float32)
     return torch.empty_like(x, dtype=out_dtype), h, mean, x.new_empty(rows, dtype=torch.float32)
 
 
@@ -390,8 +396,8 @@ def _norm_bwd(
     """Returns (d_h, dx, dw, db): d_h is the residual's gradient (x's without a residual);
     dx is empty unless dropout or a dtype change makes it differ from d_h; dw and db are
     empty where there is no weight or bias."""
-    return _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, seed, is_rms, x_dtype,
-                            has_residual, leaves)
+    return registered_outputs(_norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, seed,
+                                               is_rms, x_dtype, has_residual, leaves), h)
 
 
 @_norm_bwd.register_fake
@@ -416,7 +422,7 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype = dropout_p, seed, is_rms, x.dtype
 
 
-def _backward(ctx, dy, dh_out, _dmean, _drstd):
+def _backward(ctx, dy, dh_out, *_statistics):
     h, weight, mean, rstd = ctx.saved_tensors
     if dy is None:  # only h was used downstream
         dy = torch.zeros_like(h)
@@ -432,7 +438,7 @@ def _backward(ctx, dy, dh_out, _dmean, _drstd):
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-_norm_fwd_eager = eager_autograd(_norm_fwd_launch, _setup_context, _backward)
+_norm_fwd_eager = eager_autograd(_norm_fwd_launch, _setup_context, _backward, returns=2)  # y, h
 
 
 # ---------------------------------------------------------------- public functions
@@ -468,8 +474,8 @@ def _norm(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
             return reference.add_rms_norm(x, residual, weight, eps, dropout_p, out_dtype=out_dtype)
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, out_dtype=out_dtype)
     seed = _seed(seed) if dropout_p else 0
-    y, h, _, _ = route(_norm_fwd, _norm_fwd_launch, x, residual, weight, bias, autograd=_norm_fwd_eager)(
-        x, residual, weight, bias, float(eps), float(dropout_p), seed, is_rms, out_dtype)
+    y, h = route(_norm_fwd, _norm_fwd_launch, x, residual, weight, bias, autograd=_norm_fwd_eager)(
+        x, residual, weight, bias, float(eps), float(dropout_p), seed, is_rms, out_dtype)[:2]
     return y, (h if residual is not None else None)
 
 
