@@ -52,6 +52,15 @@ def test_every_option_matches_reference(reduction, label_smoothing, z_loss, soft
            softcap=softcap)
 
 
+@pytest.mark.parametrize("rows, n_classes", [(16, 300), (16, 123), (6, 300)])
+def test_scalar_upstream_gradient_on_regrouped_rows(rows, n_classes, device):
+    """A scalar upstream gradient scales the saved gradient as one flat run of rows regrouped
+    to a multiple of 16 elements where the row count allows (16 x 300 -> 4 x 1200, 16 x 123
+    -> 1 x 1968), row by row where it does not (6 x 300)."""
+    logits = torch.randn(rows, n_classes, device=device) * 3
+    _check(logits, _targets((rows,), n_classes, device), torch.float32, reduction="sum")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtypes_and_class_dim_last(dtype, device):
     logits = (torch.randn(3, 5, 123, device=device) * 2).to(dtype)
