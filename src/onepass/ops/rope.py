@@ -23,7 +23,9 @@ per token from L2 for all its heads, small beside q and k):
     bwd    about the same                                       read dq', dk'; write dq, dk  2 (Nq+Nk) s
 
 Grid: one program per (token, block of BLOCK_H heads); the head blocks of q come first,
-then those of k, so grouped-query k (fewer heads) costs only its own blocks.
+then those of k, so grouped-query k (fewer heads) costs only its own blocks. Programs run
+token by token within each head block, or, for per-batch tables, in tiles of tokens that
+take every head block in turn (TOKEN_TILE), so the tables are read from HBM once.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ from onepass.ops._launch import (
 # 0.088 ms (90% of copy), 1024 / 2: 0.090, 2048 / 4: 0.100, 4096 / 2: 0.102, 2048 / 8: 0.110.
 TILE_ELEMENTS = 1024
 NUM_WARPS = 1
+# Tokens a tile (see the kernel's program order) when cos/sin are per batch row. Same run,
+# [B, S, R] tables: tokens in order 91.6 us, tiles of 1 / 64 / 256 / 1024 tokens 86.4 / 87.0 /
+# 86.2 / 85.7 us; a shared [1, S, R] table: tokens in order 83.4 us, tiles of 1024 85.6 us.
+TOKEN_TILE = 1024
 
 LAYOUTS = ("bhsd", "bshd")
 STYLES = ("half", "interleaved")
@@ -113,16 +119,27 @@ def _rope_heads(x_ptr, o_ptr, x_head_stride, o_head_stride, h0, n_heads, c1, c2,
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
-    seq, n_q_heads, n_k_heads, q_head_blocks, table_rows,
+    seq, n_tokens, n_q_heads, n_k_heads, q_head_blocks, n_blocks, table_rows,
     q_batch_stride, q_seq_stride, q_head_stride, k_batch_stride, k_seq_stride, k_head_stride,
     qo_batch_stride, qo_seq_stride, qo_head_stride, ko_batch_stride, ko_seq_stride, ko_head_stride,
     cos_batch_stride, cos_row_stride, pos_batch_stride, pos_seq_stride,
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     HAS_POS: tl.constexpr, COPY_REST: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, TOKEN_TILE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
+    # Program order: with TOKEN_TILE = 0, every token for head block 0, then for block 1,
+    # ...; else tiles of TOKEN_TILE tokens, each taking all head blocks in turn, so its
+    # table rows are reused from L2 by every block instead of streamed once a block.
+    pid = tl.program_id(0).to(tl.int64)
+    if TOKEN_TILE == 0:
+        block = (pid // n_tokens).to(tl.int32)
+        token = pid % n_tokens
+    else:
+        tile, within = pid // (n_blocks * TOKEN_TILE), pid % (n_blocks * TOKEN_TILE)
+        block = (within // TOKEN_TILE).to(tl.int32)
+        token = tile * TOKEN_TILE + within % TOKEN_TILE
+        if token >= n_tokens:
+            return
     b, s = token // seq, token % seq
     # the token's table row: gathered through position_ids, or its own (batch, seq) row
     if HAS_POS:
@@ -190,14 +207,18 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     rot = cos.shape[-1]
     block_h, block_half, block_rest = _settings(rot, d, max(hq, hk))
     q_blocks = cdiv(hq, block_h)
-    launch(_rope_kernel, (b * s, q_blocks + cdiv(hk, block_h)),
+    n_blocks = q_blocks + cdiv(hk, block_h)
+    # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
+    # table stays in L2 anyway, and tokens in order read q and k in longer runs
+    tile = TOKEN_TILE if cos_batch_stride else 0
+    launch(_rope_kernel, (cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks,),
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
-        s, hq, hk, q_blocks, cos.shape[-2],
+        s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2],
         *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(q_out, layout), *_bsh_strides(k_out, layout),
         cos_batch_stride, cos.stride(-2), pos_batch_stride, pos_seq_stride,
         ROT=rot, HEAD_DIM=d, INTERLEAVED=interleaved, BACKWARD=backward, HAS_POS=pos is not None,
         COPY_REST=rot < d and q_out is not q, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
-        num_warps=NUM_WARPS,
+        TOKEN_TILE=tile, num_warps=NUM_WARPS,
     )
 
 
