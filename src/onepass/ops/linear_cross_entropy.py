@@ -54,7 +54,7 @@ from onepass.ops.cross_entropy import (
 )
 
 # Tunables: the dW GEMM's arithmetic intensity in flop per byte of accumulator traffic
-# (sets the chunk: 256 x accumulator element size tokens), and the chunk rounding.
+# (sets the chunk: 512 x accumulator element size tokens), and the chunk rounding.
 WGRAD_FLOP_PER_BYTE = 512
 CHUNK_MULTIPLE = 64
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from onepass import ops, reference
 from onepass.bench.case import Case, fwd, fwd_bwd, variants
+from onepass.ops._launch import cdiv
 
 DTYPE = torch.bfloat16
 TOKENS, HEADS, HEAD_DIM = 16384, 32, 128
@@ -84,7 +85,7 @@ def decode_kv_bytes(batch: int, cache_len: int) -> int:
 
 def decode_graph_layers(batch: int, cache_len: int) -> int:
     """Layers a graph-replayed decode step runs: enough that their caches exceed DECODE_GRAPH_BYTES."""
-    return -(-DECODE_GRAPH_BYTES // decode_kv_bytes(batch, cache_len))
+    return cdiv(DECODE_GRAPH_BYTES, decode_kv_bytes(batch, cache_len))
 
 
 def decode_inputs(batch: int, cache_len: int, layers: int):
