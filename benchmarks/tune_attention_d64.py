@@ -2,11 +2,14 @@
 
     python benchmarks/tune_attention_d64.py
 
-Prints SDPA (flash, cuDNN) beside onepass, then each forward, dK/dV and dQ setting in turn
-(the others at their defaults); ops/attention.py's CONFIGS cite the result.
+Prints SDPA (flash, cuDNN) beside onepass, each kernel's own time (torch.profiler) for the
+default settings, then each forward, dK/dV and dQ setting in turn (the others at their
+defaults) with the time of the kernel it changes, and the dK/dV settings again with dQ added
+by atomics inside the dK/dV kernel. ops/attention.py's CONFIGS cite the result.
 """
 
 import sys
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -20,20 +23,38 @@ B, HQ, HK, S, D = 4, 32, 8, 2048, 64
 q = torch.randn(B, HQ, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 k, v = (torch.randn(B, HK, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
 g = torch.randn_like(q)
+FLOPS = 4 * B * HQ * S * S * D / 2  # causal forward
 
 
-def fwd_ms(fn):
-    fn()
-    return do_bench(fn, return_mode="median")
-
-
-def fwd_bwd_ms(fn):
+def fwd_bwd(fn):
     def step():
         q.grad = k.grad = v.grad = None
         fn().backward(g)
 
+    return step
+
+
+def kernel_us(step, steps=10) -> dict[str, float]:
+    """Each GPU kernel's time in one step, microseconds, by kernel name."""
     step()
-    return do_bench(step, return_mode="median")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            times[e.key] += e.device_time_total / steps
+    return dict(times)
+
+
+def show(label, step):
+    times = kernel_us(step)
+    total = sum(times.values())
+    print(f"{label}: wall {do_bench(step, return_mode='median'):.3f} ms, kernels {total / 1e3:.3f} ms")
+    for name, us in sorted(times.items(), key=lambda item: -item[1]):
+        print(f"    {us:8.1f} us  {name[:100]}")
 
 
 def sdpa(backend):
@@ -48,20 +69,42 @@ def ours():
     return ops.attention(q, k, v, causal=True)
 
 
-def sweep(kernel, settings, timer):
+def sweep(kernel, settings, name_part):
     default = attention_module.CONFIGS[kernel][64]
     for setting in settings:
         attention_module.CONFIGS[kernel][64] = setting
-        print(f"{kernel:<5} {setting}: {timer(ours):.3f} ms")
+        try:
+            us = sum(t for n, t in kernel_us(fwd_bwd(ours)).items() if name_part in n)
+            print(f"{kernel:<5} {setting}: {us:7.1f} us")
+        except Exception as e:  # a setting over the shared-memory limit fails to launch
+            print(f"{kernel:<5} {setting}: failed ({type(e).__name__}: {str(e)[:80]})")
     attention_module.CONFIGS[kernel][64] = default
 
 
 if __name__ == "__main__":
+    print(f"B{B} S{S} {HQ}/{HK} heads, head dim {D}, causal, bf16; forward {FLOPS / 1e9:.1f} GFLOP")
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        print(f"sdpa {name}: fwd {fwd_ms(sdpa(backend)):.3f} ms, fwd+bwd {fwd_bwd_ms(sdpa(backend)):.3f} ms")
-    print(f"onepass: fwd {fwd_ms(ours):.3f} ms, fwd+bwd {fwd_bwd_ms(ours):.3f} ms")
-    sweep("fwd", [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3),
-                  (128, 32, 4, 3)], fwd_ms)
-    sweep("dkdv", [(32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3),
-                   (16, 128, 4, 3)], fwd_bwd_ms)
-    sweep("dq", [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3)], fwd_bwd_ms)
+        show(f"sdpa {name} fwd", sdpa(backend))
+        show(f"sdpa {name} fwd+bwd", fwd_bwd(sdpa(backend)))
+    show("onepass fwd", ours)
+    show("onepass fwd+bwd", fwd_bwd(ours))
+    qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))  # as the models call it
+    gs = g.transpose(1, 2).contiguous()
+
+    def bshd_step():
+        qs.grad = ks.grad = vs.grad = None
+        ops.attention(qs, ks, vs, causal=True, layout="bshd").backward(gs)
+
+    show("onepass fwd+bwd, [B, S, H, D] tensors", bshd_step)
+    sweep("fwd", [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4),
+                  (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3)], "attn_fwd")
+    sweep("dkdv", [(32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 4), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 4),
+                   (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (64, 128, 8, 2), (16, 64, 4, 3),
+                   (16, 128, 4, 4), (32, 32, 4, 3), (64, 32, 4, 3)], "dkdv")
+    sweep("dq", [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3),
+                 (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 2), (32, 64, 4, 3)],
+          "dq_kernel")
+    attention_module.DQ_ATOMIC = True
+    print("dQ by atomics in the dK/dV kernel (its time, plus the fp32 buffer's fill and cast below):")
+    show("onepass fwd+bwd, atomic dQ", fwd_bwd(ours))
+    sweep("dkdv", [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2)], "dkdv")

@@ -169,6 +169,15 @@ def test_opcheck(device):
         torch.library.opcheck(_attention_fwd, args)
 
 
+def test_sequence_over_the_grid_limit_raises(device):
+    """A sequence whose blocks overflow CUDA's grid axis 1 is refused before any kernel runs
+    (stride-0 views: nothing of that size is allocated)."""
+    n = 65535 * 128 + 1
+    q = torch.zeros(1, 1, 1, 1, device=device).expand(1, 1, n, 1)
+    with pytest.raises(ValueError, match="sequences up to"):
+        ops.attention(q, q, q, causal=True)
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda q, k, v: ops.attention(q, k.half(), v), TypeError, "dtype"),
     (lambda q, k, v: ops.attention(q.long(), k, v), TypeError, "q"),

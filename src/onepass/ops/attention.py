@@ -28,11 +28,14 @@ Byte budget (B batch, H q heads, Hk kv heads, S_q, S_k, head dim D, element size
 The FLOPs dominate (4*B*H*S_q*S_k*D forward, x2.5 backward, halved by causal), so the
 benchmark reports TFLOP/s.
 
-Forward: grid (query blocks, B*H). Online softmax in fp32 with exp2 (the scale folded
+Forward: grid (B*H, query blocks). Online softmax in fp32 with exp2 (the scale folded
 into log2 e). The key tiles a query block sees split into at most three runs: masked
 tiles before (sliding window), unmasked tiles in the middle, masked tiles at the end
 (diagonal / window / sequence end); only the masked runs evaluate the mask, and tiles no
-query sees are never visited. Causal grids run the heaviest (last) query blocks first.
+query sees are never visited. Programs start block by block across all heads, the
+heaviest blocks first (causal: the last query blocks, the first key blocks), so the short
+ones fill the tail: at Llama-3.2-1B's attention (H200) the dK/dV kernel went 499 -> 407 us
+(same settings), dQ 217 -> 200, the forward 200 -> 187.
 
 Backward (FA2, no atomics): a preprocess kernel computes delta; a kernel over key blocks
 accumulates dK and dV in registers, looping over the query blocks and over all q heads of
@@ -70,6 +73,7 @@ from onepass.ops._launch import (
 from onepass.reference.attention import window_bounds
 
 MAX_HEAD_DIM = 256
+MAX_GRID_BLOCKS = 65535  # CUDA's limit on grid axis 1, where the blocks of a sequence go
 
 # Launch settings per kernel and padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 # BLOCK_M walks queries, BLOCK_N keys: the forward and dQ kernels own BLOCK_M queries and
@@ -81,11 +85,13 @@ MAX_HEAD_DIM = 256
 # 4 B, 64x64: 808 B); dQ 128x64/8w/3st no spill. To be swept on the H200 (head dims up to 64
 # use the 64 row); the sweep edits this table and nothing else.
 # Head dim 64 from an H200 sweep at Llama-3.2-1B's attention (B4 S2048 32/8 heads, causal,
-# bf16; benchmarks/tune_attention_d64.py): fwd 64x64/4 warps 0.210 ms (128x128/8: 0.270);
-# fwd+bwd with dK/dV 32x64/4 1.055 ms (32x128/8: 1.169), with dQ 64x64/4 1.124 ms (128x64/8: 1.167).
+# bf16; benchmarks/tune_attention_d64.py, each kernel's own time): fwd 64x64/4 warps/3 stages
+# 192 us (128x64/8: 192, 128x128/8: 261); dK/dV 32x128/4/3 364 us (32x64/4: 406, 64x64/4:
+# 439, 64x128/8: 489; 4 or 5 stages slower); dQ 64x64/4/3 200 us (64x32/4: 202, 128x64/8: 257).
+# cuDNN through SDPA in the same run: fwd 181 us, bwd 564 us (ours 582 with the preprocess).
 CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
-    "dkdv": {64: (32, 64, 4, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
+    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
     "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
 }
 # dQ in the backward: False runs its own kernel over query blocks (recomputes the scores
@@ -93,7 +99,8 @@ CONFIGS = {
 # into an fp32 buffer with atomics inside the dK/dV kernel (FlashAttention-2's way: 2.5x
 # the forward's FLOPs, plus the atomic traffic and one cast). H200, bf16, 32 heads of 128,
 # 16384 tokens, fwd+bwd: the separate kernel 9.95 / 5.50 ms at S=4096 full / causal and
-# 39.3 / 19.8 ms at S=16384, the atomics 11.4 / 6.30 and 44.1 / 22.2 ms.
+# 39.3 / 19.8 ms at S=16384, the atomics 11.4 / 6.30 and 44.1 / 22.2 ms. Head dim 64 at
+# Llama-3.2-1B's attention: the dK/dV kernel with atomics 728 us, against 364 + 200 apart.
 DQ_ATOMIC = False
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
@@ -163,13 +170,20 @@ def _tile_runs(start, n_other, offset, before, after, BLOCK_OWN: tl.constexpr, B
 
 
 @triton.jit
-def _locate(pid_block, pid_head, n_heads, cu_seqlens_ptr, n_seqs, total, seqlen,
-            BLOCK: tl.constexpr, VARLEN: tl.constexpr, BLOCK_SEQS: tl.constexpr):
-    """(sequence, head, block of that sequence, first row of the sequence, its length).
+def _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen, BLOCK: tl.constexpr, VARLEN: tl.constexpr,
+            BLOCK_SEQS: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(sequence, head, block of that sequence, first row of the sequence, its length) of this program.
 
-    Dense: axis 1 is batch * heads. Varlen: axis 1 is the head; the program finds its
-    sequence from the prefix sum of per-sequence block counts (spare programs get length 0).
+    Grid axis 0 is batch * heads (varlen: the head), axis 1 the block, so programs start
+    block by block across all heads; HEAVY_LAST (causal, where the last query blocks see the
+    most keys) reverses the blocks, so the longest programs start first and the short ones
+    fill the tail. Varlen: the program finds its sequence from the prefix sum of
+    per-sequence block counts (spare programs get length 0).
     """
+    pid_head = tl.program_id(0)
+    pid_block = tl.program_id(1)
+    if HEAVY_LAST:
+        pid_block = tl.num_programs(1) - 1 - pid_block
     if VARLEN:
         idx = tl.arange(0, BLOCK_SEQS)
         valid = idx < n_seqs
@@ -266,11 +280,8 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if BOUND_AFTER:  # causal: the last query blocks see the most keys, start them first
-        pid = tl.num_programs(0) - 1 - pid
-    b, h, m_block, row_start, length = _locate(pid, tl.program_id(1), n_heads, cu_seqlens_ptr, n_seqs, total,
-                                               seqlen_q, BLOCK_M, VARLEN, BLOCK_SEQS)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, BLOCK_M, VARLEN,
+                                               BLOCK_SEQS, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -315,8 +326,8 @@ def _attn_bwd_preprocess_kernel(
     BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr,
 ):
     """delta = rowsum(dO * O) - dLSE, in the LSE's layout."""
-    b, h, m_block, row_start, length = _locate(tl.program_id(0), tl.program_id(1), n_heads, cu_seqlens_ptr,
-                                               n_seqs, total, seqlen_q, BLOCK_M, VARLEN, BLOCK_SEQS)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, BLOCK_M, VARLEN,
+                                               BLOCK_SEQS, False)
     b64, h64, row64 = b.to(tl.int64), h.to(tl.int64), row_start.to(tl.int64)
     rows = m_block * BLOCK_M + _arange(BLOCK_M, LONG)
     offs_d = tl.arange(0, BLOCK_D)
@@ -385,8 +396,9 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b, hk, n_block, row_start, length = _locate(tl.program_id(0), tl.program_id(1), n_kv_heads, cu_seqlens_ptr,
-                                                n_seqs, total, seqlen_k, BLOCK_N, VARLEN, BLOCK_SEQS)
+    # causal: the first key blocks are seen by the most queries, and start first as they are
+    b, hk, n_block, row_start, length = _locate(n_kv_heads, cu_seqlens_ptr, n_seqs, total, seqlen_k, BLOCK_N, VARLEN,
+                                                BLOCK_SEQS, False)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -464,11 +476,8 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if BOUND_AFTER:
-        pid = tl.num_programs(0) - 1 - pid
-    b, h, m_block, row_start, length = _locate(pid, tl.program_id(1), n_heads, cu_seqlens_ptr, n_seqs, total,
-                                               seqlen_q, BLOCK_M, VARLEN, BLOCK_SEQS)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, BLOCK_M, VARLEN,
+                                               BLOCK_SEQS, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -560,9 +569,11 @@ class _Geometry:
         return (0, self.total) if self.varlen else (self.heads * self.seqlen_q, self.seqlen_q)
 
     def grid(self, block: int, heads: int, seqlen: int) -> tuple[int, int]:
-        if self.varlen:
-            return (cdiv(self.total, block) + self.n_seqs, heads)
-        return (cdiv(seqlen, block), self.batch * heads)
+        blocks = cdiv(self.total, block) + self.n_seqs if self.varlen else cdiv(seqlen, block)
+        if blocks > MAX_GRID_BLOCKS:
+            raise ValueError(f"sequences up to {MAX_GRID_BLOCKS * block} tokens{' in all' if self.varlen else ''} "
+                             f"are supported, got {seqlen}")
+        return (heads if self.varlen else self.batch * heads, blocks)
 
     def seq_args(self) -> tuple:
         return self.n_seqs, self.total
