@@ -28,14 +28,17 @@ Byte budget (B batch, H q heads, Hk kv heads, S_q, S_k, head dim D, element size
 The FLOPs dominate (4*B*H*S_q*S_k*D forward, x2.5 backward, halved by causal), so the
 benchmark reports TFLOP/s.
 
-Forward: grid (B*H, query blocks). Online softmax in fp32 with exp2 (the scale folded
-into log2 e). The key tiles a query block sees split into at most three runs: masked
-tiles before (sliding window), unmasked tiles in the middle, masked tiles at the end
+Forward: one program a (batch, head, query block). Online softmax in fp32 with exp2 (the
+scale folded into log2 e). The key tiles a query block sees split into at most three runs:
+masked tiles before (sliding window), unmasked tiles in the middle, masked tiles at the end
 (diagonal / window / sequence end); only the masked runs evaluate the mask, and tiles no
-query sees are never visited. Programs start block by block across all heads, the
-heaviest blocks first (causal: the last query blocks, the first key blocks), so the short
-ones fill the tail: at Llama-3.2-1B's attention (H200) the dK/dV kernel went 499 -> 407 us
-(same settings), dQ 217 -> 200, the forward 200 -> 187.
+query sees are never visited.
+
+Program order (every kernel): chunks of heads whose re-read tiles fit in L2; inside a chunk,
+block by block across its heads, the heaviest blocks first (causal: the last query blocks,
+the first key blocks), so the short ones fill the tail. At Llama-3.2-1B's attention (H200)
+that took the dK/dV kernel from 499 to 407 us against one head's blocks after another
+(same settings), dQ 217 -> 200 and the forward 200 -> 187.
 
 Backward (FA2, no atomics): a preprocess kernel computes delta; a kernel over key blocks
 accumulates dK and dV in registers, looping over the query blocks and over all q heads of
@@ -67,13 +70,24 @@ from onepass.ops._launch import (
     interpreting,
     launch,
     next_power_of_2,
+    num_programs_for,
     route,
     use_triton,
 )
 from onepass.reference.attention import window_bounds
 
 MAX_HEAD_DIM = 256
-MAX_GRID_BLOCKS = 65535  # CUDA's limit on grid axis 1, where the blocks of a sequence go
+# Programs run in chunks of heads whose re-read tiles (K and V for the forward and dQ, Q and
+# dO for dK/dV) take at most L2_CHUNK_BYTES, so they stay in L2 while the chunk runs, but
+# of at least CHUNK_WAVES programs a multiprocessor, so the heaviest-first order inside a
+# chunk has short programs to fill its tail. H200, bf16, each kernel's time (.scratch sweep
+# of 0 / 2 / 8 / 16 / 32 / 64 MiB / everything): head dim 128, B16 S1024 full fwd+bwd 2.87 ms
+# at 0-8 MiB against 3.00 for one chunk of all heads, B4 S4096 causal 5.25 against 5.71;
+# head dim 64 at Llama-3.2-1B's shape, dK/dV (16 key blocks a head) 505 us in chunks of 4 kv
+# heads (half a wave of programs), 482 in chunks of 8, 361 in chunks of 16 or more; with
+# chunks of at least 2 waves (17 + 15 kv heads) 389 on another H200 (all in one chunk: 364).
+L2_CHUNK_BYTES = 8 * 2**20
+CHUNK_WAVES = 4
 
 # Launch settings per kernel and padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 # BLOCK_M walks queries, BLOCK_N keys: the forward and dQ kernels own BLOCK_M queries and
@@ -170,20 +184,26 @@ def _tile_runs(start, n_other, offset, before, after, BLOCK_OWN: tl.constexpr, B
 
 
 @triton.jit
-def _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen, BLOCK: tl.constexpr, VARLEN: tl.constexpr,
-            BLOCK_SEQS: tl.constexpr, HEAVY_LAST: tl.constexpr):
+def _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen, n_blocks, chunk_heads, BLOCK: tl.constexpr,
+            VARLEN: tl.constexpr, BLOCK_SEQS: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """(sequence, head, block of that sequence, first row of the sequence, its length) of this program.
 
-    Grid axis 0 is batch * heads (varlen: the head), axis 1 the block, so programs start
-    block by block across all heads; HEAVY_LAST (causal, where the last query blocks see the
-    most keys) reverses the blocks, so the longest programs start first and the short ones
-    fill the tail. Varlen: the program finds its sequence from the prefix sum of
-    per-sequence block counts (spare programs get length 0).
+    A 1-D grid of (batch * heads) x n_blocks programs (varlen: heads x n_blocks), in chunks
+    of ``chunk_heads`` heads whose re-read tensors fit in L2 together; inside a chunk the
+    programs go block by block across its heads, so the heaviest blocks start first and the
+    short ones fill the tail (HEAVY_LAST: causal, where the last query blocks see the most
+    keys, reverses the blocks). Varlen: the program finds its sequence from the prefix sum
+    of per-sequence block counts (spare programs get length 0).
     """
-    pid_head = tl.program_id(0)
-    pid_block = tl.program_id(1)
+    pid = tl.program_id(0)
+    chunk = pid // (chunk_heads * n_blocks)
+    first_head = chunk * chunk_heads
+    heads_here = tl.minimum(chunk_heads, tl.num_programs(0) // n_blocks - first_head)
+    r = pid - first_head * n_blocks
+    pid_head = first_head + r % heads_here
+    pid_block = r // heads_here
     if HEAVY_LAST:
-        pid_block = tl.num_programs(1) - 1 - pid_block
+        pid_block = n_blocks - 1 - pid_block
     if VARLEN:
         idx = tl.arange(0, BLOCK_SEQS)
         valid = idx < n_seqs
@@ -275,13 +295,13 @@ def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
     v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s, lse_stride_b, lse_stride_h,
-    seqlen_q, seqlen_k, n_heads, group, n_seqs, total, scale, softcap, before, after,
+    seqlen_q, seqlen_k, n_heads, group, n_seqs, total, n_blocks, chunk_heads, scale, softcap, before, after,
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, BLOCK_M, VARLEN,
-                                               BLOCK_SEQS, BOUND_AFTER)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, n_blocks,
+                                               chunk_heads, BLOCK_M, VARLEN, BLOCK_SEQS, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -321,13 +341,13 @@ def _attn_fwd_kernel(
 def _attn_bwd_preprocess_kernel(
     o_ptr, do_ptr, dlse_ptr, delta_ptr, cu_seqlens_ptr,
     o_stride_b, o_stride_h, o_stride_s, do_stride_b, do_stride_h, do_stride_s, lse_stride_b, lse_stride_h,
-    seqlen_q, n_heads, n_seqs, total,
+    seqlen_q, n_heads, n_seqs, total, n_blocks, chunk_heads,
     HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr,
 ):
     """delta = rowsum(dO * O) - dLSE, in the LSE's layout."""
-    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, BLOCK_M, VARLEN,
-                                               BLOCK_SEQS, False)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, n_blocks,
+                                               chunk_heads, BLOCK_M, VARLEN, BLOCK_SEQS, False)
     b64, h64, row64 = b.to(tl.int64), h.to(tl.int64), row_start.to(tl.int64)
     rows = m_block * BLOCK_M + _arange(BLOCK_M, LONG)
     offs_d = tl.arange(0, BLOCK_D)
@@ -390,15 +410,15 @@ def _attn_bwd_dkdv_kernel(
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
     do_stride_b, do_stride_h, do_stride_s, dk_stride_b, dk_stride_h, dk_stride_s,
     dv_stride_b, dv_stride_h, dv_stride_s, dq_stride_b, dq_stride_h, dq_stride_s, lse_stride_b, lse_stride_h,
-    seqlen_q, seqlen_k, n_kv_heads, group, n_seqs, total, scale, softcap, before, after,
+    seqlen_q, seqlen_k, n_kv_heads, group, n_seqs, total, n_blocks, chunk_heads, scale, softcap, before, after,
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # causal: the first key blocks are seen by the most queries, and start first as they are
-    b, hk, n_block, row_start, length = _locate(n_kv_heads, cu_seqlens_ptr, n_seqs, total, seqlen_k, BLOCK_N, VARLEN,
-                                                BLOCK_SEQS, False)
+    b, hk, n_block, row_start, length = _locate(n_kv_heads, cu_seqlens_ptr, n_seqs, total, seqlen_k, n_blocks,
+                                                chunk_heads, BLOCK_N, VARLEN, BLOCK_SEQS, False)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -471,13 +491,13 @@ def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
     do_stride_b, do_stride_h, do_stride_s, dq_stride_b, dq_stride_h, dq_stride_s, lse_stride_b, lse_stride_h,
-    seqlen_q, seqlen_k, n_heads, group, n_seqs, total, scale, softcap, before, after,
+    seqlen_q, seqlen_k, n_heads, group, n_seqs, total, n_blocks, chunk_heads, scale, softcap, before, after,
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, BLOCK_M, VARLEN,
-                                               BLOCK_SEQS, BOUND_AFTER)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, n_blocks,
+                                               chunk_heads, BLOCK_M, VARLEN, BLOCK_SEQS, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -548,6 +568,7 @@ class _Geometry:
         self.block_seqs = next_power_of_2(self.n_seqs + 1) if self.varlen else 1
         self.cu_seqlens = cu_seqlens
         self.block_d = block_d_for(self.head_dim)
+        self.sm_count = num_programs_for(q.device)
 
     def long_offsets(self, *tensors: Tensor) -> bool:
         """Whether a sequence of one of these tensors spans 2**31 elements (int64 tile offsets)."""
@@ -568,15 +589,19 @@ class _Geometry:
     def lse_strides(self) -> tuple[int, int]:
         return (0, self.total) if self.varlen else (self.heads * self.seqlen_q, self.seqlen_q)
 
-    def grid(self, block: int, heads: int, seqlen: int) -> tuple[int, int]:
-        blocks = cdiv(self.total, block) + self.n_seqs if self.varlen else cdiv(seqlen, block)
-        if blocks > MAX_GRID_BLOCKS:
-            raise ValueError(f"sequences up to {MAX_GRID_BLOCKS * block} tokens{' in all' if self.varlen else ''} "
-                             f"are supported, got {seqlen}")
-        return (heads if self.varlen else self.batch * heads, blocks)
+    def programs(self, block: int, heads: int, seqlen: int, reread_per_head: int) -> tuple[tuple[int], tuple]:
+        """(grid, arguments the kernel's _locate takes) for programs of ``block`` rows over
+        ``heads`` heads, each head re-reading ``reread_per_head`` bytes (the other side's tiles)."""
+        heads = heads if self.varlen else self.batch * heads
+        n_blocks = cdiv(self.total, block) + self.n_seqs if self.varlen else cdiv(seqlen, block)
+        in_l2 = L2_CHUNK_BYTES // max(reread_per_head, 1)
+        chunk_heads = min(heads, max(in_l2, cdiv(CHUNK_WAVES * self.sm_count, n_blocks), 1))
+        return (heads * n_blocks,), (self.n_seqs, self.total, n_blocks, chunk_heads)
 
-    def seq_args(self) -> tuple:
-        return self.n_seqs, self.total
+    def reread_bytes(self, seqlen: int, element_size: int) -> int:
+        """Bytes of two [seqlen, D] tiles of one head (varlen: of an average sequence)."""
+        rows = cdiv(self.total, self.n_seqs) if self.varlen else seqlen
+        return 2 * rows * self.head_dim * element_size
 
     def cu(self, fallback: Tensor) -> Tensor:
         return self.cu_seqlens if self.varlen else fallback
@@ -594,10 +619,11 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     if q.numel() == 0:
         return o, lse
     block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
-    launch(_attn_fwd_kernel, g.grid(block_m, g.heads, g.seqlen_q),
+    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, g.reread_bytes(g.seqlen_k, k.element_size()) // g.group)
+    launch(_attn_fwd_kernel, grid,
         q, k, v, o, lse, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.lse_strides(),
-        g.seqlen_q, g.seqlen_k, g.heads, g.group, *g.seq_args(), scale, softcap or 1.0, before, after,
+        g.seqlen_q, g.seqlen_k, g.heads, g.group, *seq_args, scale, softcap or 1.0, before, after,
         BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
         HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs,
         LONG=g.long_offsets(q, k, v, o), PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages,
@@ -621,27 +647,30 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     masks = (scale, softcap or 1.0, before, after)
 
     block_m = launch_config("dq", g.head_dim, q.dtype)[0]
-    launch(_attn_bwd_preprocess_kernel, g.grid(block_m, g.heads, g.seqlen_q),
+    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, 0)
+    launch(_attn_bwd_preprocess_kernel, grid,
         o, do, dlse if dlse is not None else lse, delta, g.cu(lse),
-        *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *g.seq_args(),
+        *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *seq_args,
         HAS_DLSE=dlse is not None, VARLEN=g.varlen, HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_D=g.block_d,
         BLOCK_SEQS=g.block_seqs, LONG=common["LONG"],
     )
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if DQ_ATOMIC else dq
     block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
-    launch(_attn_bwd_dkdv_kernel, g.grid(block_n, g.kv_heads, g.seqlen_k),
+    grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, g.reread_bytes(g.seqlen_q, q.element_size()) * g.group)
+    launch(_attn_bwd_dkdv_kernel, grid,
         q, k, v, do, lse, delta, dk, dv, dq_acc, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
-        *g.strides(dq_acc), *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *g.seq_args(), *masks,
+        *g.strides(dq_acc), *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *seq_args, *masks,
         DQ_ATOMIC=DQ_ATOMIC, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )
     if DQ_ATOMIC:
         return dq.copy_(dq_acc), dk, dv
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
-    launch(_attn_bwd_dq_kernel, g.grid(block_m, g.heads, g.seqlen_q),
+    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, g.reread_bytes(g.seqlen_k, k.element_size()) // g.group)
+    launch(_attn_bwd_dq_kernel, grid,
         q, k, v, do, lse, delta, dq, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dq), *g.lse_strides(),
-        g.seqlen_q, g.seqlen_k, g.heads, g.group, *g.seq_args(), *masks,
+        g.seqlen_q, g.seqlen_k, g.heads, g.group, *seq_args, *masks,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )
     return dq, dk, dv
