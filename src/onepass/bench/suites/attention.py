@@ -5,6 +5,9 @@ causal, against SDPA's flash (FlashAttention-2) and cuDNN backends and compiled
 FlexAttention; the HF eager version (scores in HBM) only at S = 1024, where it fits.
 FLOPs: 4 * B * H * S^2 * D forward (half of it causal), 3.5x that forward + backward.
 
+Also Llama-3.2-1B's training attention: B4 S2048, 32 q / 8 kv heads of 64, causal
+(grouped-query: SDPA with enable_gqa), the shape ``onepass bench train`` runs.
+
 Decode: one new token, 32 q heads / 8 kv heads, caches of 4k, 32k, 128k positions (all
 valid), batch 1 and 8, against SDPA (enable_gqa) and the HF-style eager loop. Bytes: one
 read of the K and V caches, so "% copy" is the fraction of the copy bandwidth reached.
@@ -31,12 +34,15 @@ DECODE_BATCHES, DECODE_CACHE_LENS, DECODE_Q_HEADS, DECODE_KV_HEADS = (1, 8), (40
 DECODE_GRAPH_BYTES = 256 * 2**20  # the caches of one graph-replayed decode step, at least
 
 
+LLAMA_1B = dict(batch=4, seq_len=2048, heads=32, kv_heads=8, head_dim=64)  # grouped-query, causal
+
+
 def _sdpa(backend):
     from torch.nn.attention import sdpa_kernel
 
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
     return run
 
@@ -56,22 +62,25 @@ def _flex(seq_len, causal):
     return lambda q, k, v, causal: compiled(q, k, v, block_mask=block_mask)
 
 
-def _make_prefill(seq_len: int, causal: bool, mode: str):
+def _make_prefill(seq_len: int, causal: bool, mode: str, batch: int | None = None, heads: int = HEADS,
+                  kv_heads: int = HEADS, head_dim: int = HEAD_DIM):
     grad = mode == "fwd+bwd"
     step = fwd_bwd if grad else fwd
+    batch = batch or TOKENS // seq_len
 
     def make():
         from torch.nn.attention import SDPBackend
 
-        batch = TOKENS // seq_len
-        q, k, v = (torch.randn(batch, HEADS, seq_len, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=grad)
-                   for _ in range(3))
-        eager = step(reference.attention, q, k, v, causal) if seq_len <= EAGER_MAX_SEQ else None
+        q = torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+        k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+                for _ in range(2))
+        grouped = kv_heads != heads
+        eager = step(reference.attention, q, k, v, causal) if seq_len <= EAGER_MAX_SEQ and not grouped else None
         return variants(**{
             "onepass": step(ops.attention, q, k, v, causal),
             "sdpa-flash": step(_sdpa(SDPBackend.FLASH_ATTENTION), q, k, v, causal),
             "sdpa-cudnn": step(_sdpa(SDPBackend.CUDNN_ATTENTION), q, k, v, causal),
-            "flex (compiled)": step(_flex(seq_len, causal), q, k, v, causal),
+            "flex (compiled)": None if grouped else step(_flex(seq_len, causal), q, k, v, causal),
             "eager": eager,
         })
 
@@ -122,6 +131,12 @@ def cases() -> list[Case]:
             for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
                 out.append(Case("attention", mode, shape, _make_prefill(seq_len, causal, mode),
                                 flops=int(flops * mult), measure_memory=True))
+    b, s, h, hk, d = LLAMA_1B.values()
+    flops = 4 * b * h * s * s * d // 2
+    shape = f"B{b} H{h}/{hk} S{s} D{d} causal bf16 (Llama-3.2-1B)"
+    for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+        out.append(Case("attention", mode, shape, _make_prefill(s, True, mode, b, h, hk, d), flops=int(flops * mult),
+                        measure_memory=True))
     for batch in DECODE_BATCHES:
         for cache_len in DECODE_CACHE_LENS:
             kv_bytes = decode_kv_bytes(batch, cache_len)
