@@ -34,7 +34,7 @@ DECODE_BATCHES, DECODE_CACHE_LENS, DECODE_Q_HEADS, DECODE_KV_HEADS = (1, 8), (40
 DECODE_GRAPH_BYTES = 256 * 2**20  # the caches of one graph-replayed decode step, at least
 
 
-LLAMA_1B = dict(batch=4, seq_len=2048, heads=32, kv_heads=8, head_dim=64)  # grouped-query, causal
+LLAMA_1B = {"batch": 4, "seq_len": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64}  # grouped-query, causal
 
 
 def _sdpa(backend):
