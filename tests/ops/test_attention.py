@@ -124,14 +124,15 @@ def test_int64_offsets_path(device, monkeypatch):
     _check(q, k, v, torch.float32, causal=True, window=20)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("l2_bytes", [0, 2**40])
-def test_program_order_in_head_chunks(l2_bytes, device, monkeypatch):
-    """Programs in the smallest chunks of heads (a shorter last one) or in one chunk of all."""
+def test_program_order_in_head_chunks(l2_bytes, causal, device, monkeypatch):
+    """Programs in the smallest chunks of heads (causal: a shorter last one) or in one chunk of all."""
     import sys
 
     monkeypatch.setattr(sys.modules["onepass.ops.attention"], "L2_CHUNK_BYTES", l2_bytes)
     q, k, v = _qkv((2, 5, 33, 16), (2, 5, 33, 16), torch.float32, device)
-    _check(q, k, v, torch.float32, causal=True)
+    _check(q, k, v, torch.float32, causal=causal)
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -78,14 +78,15 @@ from onepass.reference.attention import window_bounds
 
 MAX_HEAD_DIM = 256
 # Programs run in chunks of heads whose re-read tiles (K and V for the forward and dQ, Q and
-# dO for dK/dV) take at most L2_CHUNK_BYTES, so they stay in L2 while the chunk runs, but
-# of at least CHUNK_WAVES programs a multiprocessor, so the heaviest-first order inside a
-# chunk has short programs to fill its tail. H200, bf16, each kernel's time (.scratch sweep
-# of 0 / 2 / 8 / 16 / 32 / 64 MiB / everything): head dim 128, B16 S1024 full fwd+bwd 2.87 ms
-# at 0-8 MiB against 3.00 for one chunk of all heads, B4 S4096 causal 5.25 against 5.71;
-# head dim 64 at Llama-3.2-1B's shape, dK/dV (16 key blocks a head) 505 us in chunks of 4 kv
-# heads (half a wave of programs), 482 in chunks of 8, 361 in chunks of 16 or more; with
-# chunks of at least 2 waves (17 + 15 kv heads) 389 on another H200 (all in one chunk: 364).
+# dO for dK/dV) take at most L2_CHUNK_BYTES, so they stay in L2 while the chunk runs; with
+# causal masks (programs of unequal work), chunks of at least CHUNK_WAVES programs a
+# multiprocessor, so the heaviest-first order inside a chunk has short programs to fill its
+# tail. H200, bf16, each kernel's time (.scratch sweep of 0 / 2 / 8 / 16 / 32 / 64 MiB /
+# all heads in one chunk): head dim 128, B16 S1024 full fwd+bwd 2.87-2.88 ms at 0-8 MiB
+# against 3.00 all in one chunk, B4 S4096 causal 5.25 at 8 MiB against 5.71; head dim 64 at
+# Llama-3.2-1B's shape, dK/dV (16 key blocks a head) 505 us in chunks of 4 kv heads (half a
+# wave of programs), 482 in chunks of 8, 361 in chunks of 16 or more; chunks of 2 waves
+# (17 + 15 kv heads) 389 on another H200, of 4 waves (here all 32 kv heads) 365.
 L2_CHUNK_BYTES = 8 * 2**20
 CHUNK_WAVES = 4
 
@@ -589,13 +590,16 @@ class _Geometry:
     def lse_strides(self) -> tuple[int, int]:
         return (0, self.total) if self.varlen else (self.heads * self.seqlen_q, self.seqlen_q)
 
-    def programs(self, block: int, heads: int, seqlen: int, reread_per_head: int) -> tuple[tuple[int], tuple]:
+    def programs(self, block: int, heads: int, seqlen: int, reread_per_head: int,
+                 uneven: bool) -> tuple[tuple[int], tuple]:
         """(grid, arguments the kernel's _locate takes) for programs of ``block`` rows over
-        ``heads`` heads, each head re-reading ``reread_per_head`` bytes (the other side's tiles)."""
+        ``heads`` heads, each head re-reading ``reread_per_head`` bytes (the other side's
+        tiles); ``uneven``: the blocks' work differs (causal), so chunks take CHUNK_WAVES."""
         heads = heads if self.varlen else self.batch * heads
         n_blocks = cdiv(self.total, block) + self.n_seqs if self.varlen else cdiv(seqlen, block)
         in_l2 = L2_CHUNK_BYTES // max(reread_per_head, 1)
-        chunk_heads = min(heads, max(in_l2, cdiv(CHUNK_WAVES * self.sm_count, n_blocks), 1))
+        waves = cdiv(CHUNK_WAVES * self.sm_count, n_blocks) if uneven else 1
+        chunk_heads = min(heads, max(in_l2, waves))
         return (heads * n_blocks,), (self.n_seqs, self.total, n_blocks, chunk_heads)
 
     def reread_bytes(self, seqlen: int, element_size: int) -> int:
@@ -619,7 +623,8 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     if q.numel() == 0:
         return o, lse
     block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
-    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, g.reread_bytes(g.seqlen_k, k.element_size()) // g.group)
+    kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group  # a q head's share of its K and V
+    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
     launch(_attn_fwd_kernel, grid,
         q, k, v, o, lse, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.lse_strides(),
@@ -647,7 +652,7 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     masks = (scale, softcap or 1.0, before, after)
 
     block_m = launch_config("dq", g.head_dim, q.dtype)[0]
-    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, 0)
+    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, 0, uneven=False)
     launch(_attn_bwd_preprocess_kernel, grid,
         o, do, dlse if dlse is not None else lse, delta, g.cu(lse),
         *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *seq_args,
@@ -656,7 +661,8 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     )
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if DQ_ATOMIC else dq
     block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
-    grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, g.reread_bytes(g.seqlen_q, q.element_size()) * g.group)
+    q_reread = g.reread_bytes(g.seqlen_q, q.element_size()) * g.group  # Q and dO of a kv head's q heads
+    grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, q_reread, uneven=after >= 0)
     launch(_attn_bwd_dkdv_kernel, grid,
         q, k, v, do, lse, delta, dk, dv, dq_acc, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
@@ -666,7 +672,8 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     if DQ_ATOMIC:
         return dq.copy_(dq_acc), dk, dv
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
-    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, g.reread_bytes(g.seqlen_k, k.element_size()) // g.group)
+    kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group
+    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
     launch(_attn_bwd_dq_kernel, grid,
         q, k, v, do, lse, delta, dq, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dq), *g.lse_strides(),
