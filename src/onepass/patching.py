@@ -57,8 +57,9 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     Switches: ``norm`` (norms, and residual add + norm fused), ``activation`` (the MLP's
     gated activation or bias + GELU), ``rope``, ``attention`` (the onepass attention
     kernel through transformers' registry) and ``loss`` (LM head + cross-entropy without
-    materialising logits, when labels are given in training). What stays unfused, and why,
-    is warned about and listed by ``optimize_report(model)``.
+    materialising logits, when labels are given in training; such a forward also builds no
+    KV cache unless called with ``use_cache=True``). What stays unfused, and why, is warned
+    about and listed by ``optimize_report(model)``.
 
     ``recompute`` trades a little compute for memory in training: the outputs of the norms
     that feed projections (q/k/v, gate/up) and the MLP's activation product (down_proj's

@@ -67,6 +67,18 @@ def test_logits_loss_and_gradients_match(family, device):
         _assert_close(g, ref_grads[name], f"d {name}")
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_training_forward_builds_no_kv_cache_unless_asked(family, device):
+    model, _ = _pair(family, device)
+    ids = _batch().to(device)
+    model.train()
+    out = model(ids, labels=ids)
+    assert out.past_key_values is None
+    asked = model(ids, labels=ids, use_cache=True)
+    assert asked.past_key_values is not None
+    torch.testing.assert_close(asked.loss, out.loss)
+
+
 def test_training_curve_matches(device):
     """30 AdamW steps on the shipped corpus (bytes as tokens): the loss curves agree within
     1e-3 absolute at every step (fp32; rounding differences compound through the updates),
