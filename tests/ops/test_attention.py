@@ -124,15 +124,21 @@ def test_int64_offsets_path(device, monkeypatch):
     _check(q, k, v, torch.float32, causal=True, window=20)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("l2_bytes", [0, 2**40])
-def test_program_order_in_head_chunks(l2_bytes, causal, device, monkeypatch):
+def test_program_order_in_head_chunks(l2_bytes, causal, varlen, device, monkeypatch):
     """Programs in the smallest chunks of heads (causal: a shorter last one) or in one chunk of all."""
     import sys
 
     monkeypatch.setattr(sys.modules["onepass.ops.attention"], "L2_CHUNK_BYTES", l2_bytes)
-    q, k, v = _qkv((2, 5, 33, 16), (2, 5, 33, 16), torch.float32, device)
-    _check(q, k, v, torch.float32, causal=causal)
+    if varlen:
+        cu = torch.tensor([0, 5, 38, 39, 59], dtype=torch.int32, device=device)
+        q, k, v = _qkv((59, 5, 16), (59, 5, 16), torch.float32, device)
+        _check(q, k, v, torch.float32, causal=causal, layout="bshd", cu_seqlens=cu)
+    else:
+        q, k, v = _qkv((2, 5, 33, 16), (2, 5, 33, 16), torch.float32, device)
+        _check(q, k, v, torch.float32, causal=causal)
 
 
 @pytest.mark.parametrize("varlen", [False, True])
