@@ -67,9 +67,10 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    b = tl.program_id(1) // n_kv_heads
-    hk = tl.program_id(1) % n_kv_heads
+    pid = tl.program_id(0)  # a 1-D grid, splits fastest: batch * kv heads is not bound by grid axis 1's 65535
+    split = pid % n_splits
+    b = pid // n_splits // n_kv_heads
+    hk = pid // n_splits % n_kv_heads
     seqlen = tl.minimum(tl.load(seqlens_ptr + b), cache_len)  # never read past the cache
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
     # row r = (q head hk * group + r // Tq, new token r % Tq)
@@ -159,7 +160,7 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     rows = batch * heads * n_tokens
     o_part = torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((rows, splits), dtype=torch.float32, device=q.device)
-    launch(_decode_split_kernel, (splits, batch * kv_heads),
+    launch(_decode_split_kernel, (splits * batch * kv_heads,),
         qv, kv, vv, cache_seqlens, o_part, lse_part,
         *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3],
         kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0,
