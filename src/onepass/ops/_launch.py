@@ -84,6 +84,11 @@ def check_probability(name: str, p: float) -> None:
 # ------------------------------------------------------------------------- layouts
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has unit stride (the kernels' tiles need that, nothing more), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as [rows, last dim] with unit stride along the row; copies only if it must."""
     if x.dim() == 2 and x.stride(1) == 1:

@@ -72,6 +72,7 @@ from onepass.ops._launch import (
     next_power_of_2,
     num_programs_for,
     route,
+    unit_stride,
     use_triton,
 )
 from onepass.reference.attention import window_bounds
@@ -611,12 +612,8 @@ class _Geometry:
         return self.cu_seqlens if self.varlen else fallback
 
 
-def _unit_stride(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     g = _Geometry(q, k, layout, cu_seqlens)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(g.lse_shape(), dtype=torch.float32, device=q.device)
@@ -637,7 +634,7 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
 
 
 def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, after, softcap, layout):
-    do, q, k, v, o = (_unit_stride(t) for t in (do, q, k, v, o))
+    do, q, k, v, o = (unit_stride(t) for t in (do, q, k, v, o))
     g = _Geometry(q, k, layout, cu_seqlens)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)

@@ -42,6 +42,7 @@ from onepass.ops._launch import (
     next_power_of_2,
     num_programs_for,
     route,
+    unit_stride,
     use_triton,
 )
 from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_finish, block_d_for, precision_for
@@ -137,8 +138,7 @@ def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_le
 
 
 def _bhsd(t: Tensor, layout: str) -> Tensor:
-    t = t.transpose(1, 2) if layout == "bshd" else t
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return unit_stride(t.transpose(1, 2) if layout == "bshd" else t)
 
 
 def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):

@@ -46,6 +46,7 @@ from onepass.ops._launch import (
     launch,
     next_power_of_2,
     route,
+    unit_stride,
     use_triton,
 )
 
@@ -171,10 +172,6 @@ def _bsh_strides(x: Tensor, layout: str) -> tuple[int, int, int]:
     return (x.stride(0), x.stride(2), x.stride(1)) if layout == "bhsd" else (x.stride(0), x.stride(1), x.stride(2))
 
 
-def _unit_last(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _tables(cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str):
     """cos/sin as [B or 1, rows, R] with a batch stride (0 when shared), and position_ids as [B or 1, S]."""
     if cos.dim() == 4:
@@ -226,7 +223,7 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
 
 
 def _rope_out_of_place(q, k, cos, sin, position_ids, layout, interleaved, backward):
-    q, k = _unit_last(q), _unit_last(k)
+    q, k = unit_stride(q), unit_stride(k)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out)

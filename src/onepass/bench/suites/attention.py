@@ -131,12 +131,13 @@ def cases() -> list[Case]:
             for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
                 out.append(Case("attention", mode, shape, _make_prefill(seq_len, causal, mode),
                                 flops=int(flops * mult), measure_memory=True))
-    b, s, h, hk, d = LLAMA_1B.values()
-    flops = 4 * b * h * s * s * d // 2
-    shape = f"B{b} H{h}/{hk} S{s} D{d} causal bf16 (Llama-3.2-1B)"
+    llama = LLAMA_1B
+    flops = 4 * llama["batch"] * llama["heads"] * llama["seq_len"] ** 2 * llama["head_dim"] // 2
+    shape = (f"B{llama['batch']} H{llama['heads']}/{llama['kv_heads']} S{llama['seq_len']} D{llama['head_dim']} "
+             "causal bf16 (Llama-3.2-1B)")
     for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
-        out.append(Case("attention", mode, shape, _make_prefill(s, True, mode, b, h, hk, d), flops=int(flops * mult),
-                        measure_memory=True))
+        out.append(Case("attention", mode, shape, _make_prefill(causal=True, mode=mode, **llama),
+                        flops=int(flops * mult), measure_memory=True))
     for batch in DECODE_BATCHES:
         for cache_len in DECODE_CACHE_LENS:
             kv_bytes = decode_kv_bytes(batch, cache_len)
