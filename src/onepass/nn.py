@@ -7,7 +7,9 @@ tied weight that holds them keeps working after ``onepass.optimize`` swaps the m
 
 The norms also take the residual stream: ``norm(x, residual)`` returns
 ``(norm(residual + x), residual + x)`` from one fused pass (``add_rms_norm`` /
-``add_layer_norm``), which is how the patched decoder layers carry the stream.
+``add_layer_norm``), which is how the patched decoder layers carry the stream; and
+``norm.passing_input(h)`` returns ``(norm(h), h)`` with h handed on through the norm's
+node, so the stream's gradient is added inside the norm's backward (a layer's first norm).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from onepass import ops
+from onepass.ops.norm import norm_passing_input
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +56,10 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.scale(), self.eps)
         return ops.add_rms_norm(x, residual, self.scale(), self.eps)
 
+    def passing_input(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(self(x), x)``, x handed on through this norm (see ``ops.norm.norm_passing_input``)."""
+        return norm_passing_input(x, self.scale(), None, self.eps, True)
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, onepass"
 
@@ -83,6 +90,10 @@ class LayerNorm(nn.Module):
         if residual is None:
             return ops.layer_norm(x, self.weight, self.bias, self.eps)
         return ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+    def passing_input(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(self(x), x)``, x handed on through this norm (see ``ops.norm.norm_passing_input``)."""
+        return norm_passing_input(x, self.weight, self.bias, self.eps, False)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, onepass"

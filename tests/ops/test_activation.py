@@ -126,3 +126,22 @@ def test_bad_input(call, error, words, device):
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_bf16_real_sizes(op):
     _check(op, *_inputs(op, (16384, 8192), torch.bfloat16, "cuda"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["swiglu", "geglu_tanh", "geglu_none"])
+def test_gated_grads_rebuild_the_product(op, dtype, device):
+    """``gated_grads``: the backward of the gated op and its forward's product, in one pass."""
+    from onepass.ops import activation
+
+    act = {"swiglu": activation.SILU, "geglu_tanh": activation.GELU_TANH, "geglu_none": activation.GELU_ERF}[op]
+    gate, up = _inputs(op, (3, 5, 123), dtype, device)
+    dy = torch.randn_like(gate)
+    d_gate, d_up, product = activation.gated_grads(dy, gate, up, act)
+    gd, ud = (t.double().requires_grad_(True) for t in (gate, up))
+    ref = _apply(op, reference, gd, ud)
+    ref.backward(dy.double())
+    assert product.dtype == d_gate.dtype == d_up.dtype == dtype
+    assert_close(product, ref, dtype, "product")
+    assert_close(d_gate, gd.grad, dtype, "d_gate")
+    assert_close(d_up, ud.grad, dtype, "d_up")

@@ -271,3 +271,36 @@ def test_gradient_through_h_alone(device):
     _, h = ops.add_rms_norm(x, res)
     (h * 2).sum().backward()
     assert torch.allclose(x.grad, torch.full_like(x, 2.0)) and torch.allclose(res.grad, torch.full_like(res, 2.0))
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("shape", [(3, 5, 24), (4, 20000)])  # one block; a row longer than one block
+def test_norm_passing_input(kind, shape, device):
+    """(norm(x), x): the gradient of the passed-on x is added by the norm's backward."""
+    from onepass.ops.norm import _NormPassingInput, norm_passing_input
+
+    is_rms = kind == "rms"
+    n = shape[-1]
+    x = torch.randn(shape, device=device, requires_grad=True)
+    w = torch.randn(n, device=device, requires_grad=True)
+    b = None if is_rms else torch.randn(n, device=device, requires_grad=True)
+    y, passed = norm_passing_input(x, w, b, 1e-6, is_rms)
+    assert passed.grad_fn is y.grad_fn and isinstance(y.grad_fn, _NormPassingInput._backward_cls)
+    assert torch.equal(passed, x)
+    gy, gp = torch.randn_like(y), torch.randn_like(x)
+    torch.autograd.backward([y, passed * 3], [gy, gp])
+    leaves = [x, w] + ([] if is_rms else [b])
+    doubles = [t.detach().double().requires_grad_(True) for t in leaves]
+    if is_rms:
+        ref = reference.rms_norm(doubles[0], doubles[1], 1e-6)
+    else:
+        ref = reference.layer_norm(doubles[0], doubles[1], doubles[2], 1e-6)
+    torch.autograd.backward([ref, doubles[0] * 3], [gy.double(), gp.double()])
+    assert_close(y, ref, torch.float32)
+    for name, t, d in zip(("x", "weight", "bias"), leaves, doubles):
+        assert_close(t.grad, d.grad, torch.float32, f"d{name}", scale=4.0)
+    # only the passed-on x used: its gradient alone
+    x.grad = None
+    _, passed = norm_passing_input(x, w, b, 1e-6, is_rms)
+    (passed * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 
 from onepass import nn as onn
 from onepass import ops
+from onepass.models import projections
+from onepass.ops import activation
 
 FUSED, UNFUSED = "fused", "unfused"
 RECOMPUTED = "on"  # the status of the recompute switch when something is recomputed
@@ -320,42 +322,60 @@ def gated_recompute_status(switches: dict[str, bool], status: dict[str, str], hi
 
 # --------------------------------------------------------------------------------- MLP
 
-# HF activation names -> the onepass gated op that fuses ``act(gate) * up``.
+# HF activation names -> the id of the activation onepass fuses into ``act(gate) * up``.
 GATED = {
-    "silu": ops.swiglu,
-    "swish": ops.swiglu,
-    "gelu_pytorch_tanh": functools.partial(ops.geglu, approximate="tanh"),
-    "gelu_new": functools.partial(ops.geglu, approximate="tanh"),
-    "gelu": functools.partial(ops.geglu, approximate="none"),
+    "silu": activation.SILU,
+    "swish": activation.SILU,
+    "gelu_pytorch_tanh": activation.GELU_TANH,
+    "gelu_new": activation.GELU_TANH,
+    "gelu": activation.GELU_ERF,
 }
 
 
-def gated_mlp_forward(gated: Callable, recompute: bool) -> Callable:
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation and product fused;
-    with ``recompute``, in training the product (down_proj's input) is not kept for backward
-    but recomputed there from gate and up, which the activation's backward keeps anyway.
+def gated_mlp_forward(act: int, recompute: bool) -> Callable:
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` (``+ residual`` when given) with the
+    activation and product fused.
 
-    The projections are called as modules, so PEFT LoRA layers on them keep working.
+    Plain linear projections run as one node (``projections.gated_mlp``): no gradient sum
+    for gate/up, the residual added by the down projection's matmul, and the product never
+    kept (its backward rebuilds it). Otherwise (PEFT LoRA layers, ...) the projections are
+    called as modules, and with ``recompute``, in training, the product is not kept for
+    backward but recomputed there from gate and up, which the activation keeps anyway.
     """
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        product = gated(gate, up)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if projections.fusable(x, (self.gate_proj, self.up_proj, self.down_proj)) and all(
+                p.bias is None for p in (self.gate_proj, self.up_proj, self.down_proj)):
+            return projections.gated_mlp(self, x, act, residual)
+        gate, up = projections.linears(x, (self.gate_proj, self.up_proj))
+        product = activation.gated(gate, up, act)
         if recompute and self.training:
-            return with_recomputed(self.down_proj, product, gated, (gate, up))
-        return self.down_proj(product)
+            out = with_recomputed(self.down_proj, product, functools.partial(activation.gated, act=act), (gate, up))
+        else:
+            out = self.down_proj(product)
+        return out if residual is None else residual + out
 
+    forward.adds_residual = True
     return forward
 
 
+def add_mlp(mlp: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``residual + mlp(x)``; onepass's gated MLP folds the add into its down projection."""
+    if getattr(mlp.forward, "adds_residual", False):
+        return mlp(x, residual=residual)
+    return residual + mlp(x)
+
+
 def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -> str:
-    gated = GATED.get(act_name)
-    if gated is None:
+    act = GATED.get(act_name)
+    if act is None:
         return f"{UNFUSED}: activation {act_name!r} has no fused onepass op (known: {sorted(GATED)})"
-    forward = gated_mlp_forward(gated, recompute)
+    forward = gated_mlp_forward(act, recompute)
     for layer in layers:
         patches.set_forward(layer.mlp, forward)
-    return f"{FUSED}: {getattr(gated, 'func', gated).__name__} ({act_name})"
+    op = "swiglu" if act == activation.SILU else "geglu"
+    return (f"{FUSED}: {op} ({act_name}); plain linear projections as one node (no gate/up gradient sum, "
+            "residual add in the down projection, product rebuilt in backward)")
 
 
 # --------------------------------------------------------------- rotary attention
@@ -364,7 +384,8 @@ def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -
 def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
     """The attention block of the rotary families with RoPE done by ``rope`` on the
     [batch, seq, heads, dim] projections (no transposed copies); q/k norms (Qwen3, Gemma 3)
-    are applied per head first. Attention itself goes through transformers' registry, so
+    are applied per head first. Plain linear q/k/v projections run as one node whose
+    backward adds their input gradients inside its matmuls (``projections.linears``). Attention itself goes through transformers' registry, so
     ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -372,9 +393,8 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
                 past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape)
-        k = self.k_proj(hidden_states).view(hidden_shape)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q, k, v = projections.linears(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings

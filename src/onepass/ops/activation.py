@@ -135,13 +135,16 @@ def _act_fwd_kernel(
 
 @triton.jit
 def _act_bwd_kernel(
-    dy_ptr, x_ptr, u_ptr, b_ptr, dx_ptr, du_ptr, db_part_ptr, n_rows, n_cols, tiles_per_program,
+    dy_ptr, x_ptr, u_ptr, b_ptr, dx_ptr, du_ptr, y_ptr, db_part_ptr, n_rows, n_cols, tiles_per_program,
     dy_row_stride, x_row_stride, u_row_stride,
-    ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_Y: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (column tile, row group) walks ``tiles_per_program`` tiles down its columns,
     the next tile's dy and x loaded before this one's math; the bias gradient of its
-    columns is summed in registers and stored once, as the group's partial row."""
+    columns is summed in registers and stored once, as the group's partial row. With
+    ``WRITE_Y`` (gated only) it also writes the forward's output act(x) * u, rebuilt from
+    the values it loads anyway."""
     pid_n = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLOCK_M)
@@ -171,6 +174,8 @@ def _act_bwd_kernel(
         if GATED:
             u = tl.load(u_ptr + rows[:, None] * u_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(du_ptr + out, (dy * a).to(du_ptr.dtype.element_ty), mask=mask)
+            if WRITE_Y:
+                tl.store(y_ptr + out, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
             dy *= u
         dz = dy * da
         tl.store(dx_ptr + out, dz.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -211,10 +216,12 @@ def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act
     return y
 
 
-def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int
-                    ) -> tuple[Tensor, Tensor, Tensor]:
+def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int,
+                    write_y: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_up, d_bias, y): y, the forward's output, only with ``write_y`` (gated only)."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     du = torch.empty(x.shape, dtype=up.dtype, device=x.device) if up is not None else None
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if write_y else None
     block_m, block_n, num_warps = TILE_BIAS_BWD if bias is not None else TILE_FLAT
     x2 = _rows(x, bias is not None)
     m, n = x2.shape
@@ -231,13 +238,14 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
         dy2 = _rows(dy, bias is not None)
         u2 = _rows(up, False) if up is not None else x2
         launch(_act_bwd_kernel, (col_tiles, groups),
-            dy2, x2, u2, bias if bias is not None else x2, dx, du if up is not None else dx, db_part,
+            dy2, x2, u2, bias if bias is not None else x2, dx, du if up is not None else dx,
+            y if write_y else dx, db_part,
             m, n, tiles_per_program, dy2.stride(0), x2.stride(0), u2.stride(0),
-            ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps,
+            ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, WRITE_Y=write_y, BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=num_warps,
         )
     db = sum_partials((db_part, bias.dtype))[0] if bias is not None else None
-    return dx, du, db
+    return dx, du, db, y
 
 
 # ------------------------------------------------------------------ registered ops
@@ -255,17 +263,18 @@ def _(x, up, bias, act):
 
 
 @torch.library.custom_op("onepass::act_bwd", mutates_args=())
-def _act_bwd(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int
-             ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, d_up, d_bias); d_up and d_bias are empty where there is no up or bias."""
-    return registered_outputs(_act_bwd_launch(dy, x, up, bias, act), x)
+def _act_bwd(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int, write_y: bool
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_up, d_bias, y); d_up, d_bias and y are empty where there is no up, no bias or no write_y."""
+    return registered_outputs(_act_bwd_launch(dy, x, up, bias, act, write_y), x)
 
 
 @_act_bwd.register_fake
-def _(dy, x, up, bias, act):
+def _(dy, x, up, bias, act, write_y):
     du = torch.empty_like(up) if up is not None else x.new_empty(0)
     db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-    return torch.empty_like(x), du, db
+    y = torch.empty_like(x) if write_y else x.new_empty(0)
+    return torch.empty_like(x), du, db, y
 
 
 def _setup_context(ctx, inputs, output):
@@ -276,7 +285,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, up, bias = ctx.saved_tensors
-    dx, du, db = route(_act_bwd, _act_bwd_launch, x)(dy, x, up, bias, ctx.act)
+    dx, du, db, _ = route(_act_bwd, _act_bwd_launch, x)(dy, x, up, bias, ctx.act, False)
     return dx, (du if up is not None else None), (db if bias is not None else None), None
 
 
@@ -293,7 +302,9 @@ def _gelu_id(approximate: str) -> int:
     return _GELU[approximate]
 
 
-def _gated(gate: Tensor, up: Tensor, act: int, run_reference) -> Tensor:
+def gated(gate: Tensor, up: Tensor, act: int) -> Tensor:
+    """``act(gate) * up`` for an activation id (SILU, GELU_TANH, GELU_ERF): what ``swiglu`` and
+    ``geglu`` run, for callers that pick the activation by id (``gated_grads`` takes the same)."""
     check_float("gate", gate)
     check_float("up", up)
     check_same_shape("up", up, "gate", gate)
@@ -301,18 +312,20 @@ def _gated(gate: Tensor, up: Tensor, act: int, run_reference) -> Tensor:
         raise TypeError(f"up must have gate's dtype {gate.dtype}, got {up.dtype}")
     check_same_device(gate=gate, up=up)
     if not use_triton(gate):
-        return run_reference()
+        if act == SILU:
+            return reference.swiglu(gate, up)
+        return reference.geglu(gate, up, "tanh" if act == GELU_TANH else "none")
     return route(_act_fwd, _act_fwd_launch, gate, up, autograd=_act_fwd_eager)(gate, up, None, act)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` in one pass (the Llama MLP's ``act_fn(gate_proj(x)) * up_proj(x)``)."""
-    return _gated(gate, up, SILU, lambda: reference.swiglu(gate, up))
+    return gated(gate, up, SILU)
 
 
 def geglu(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
     """``gelu(gate, approximate) * up`` in one pass (Gemma's MLP)."""
-    return _gated(gate, up, _gelu_id(approximate), lambda: reference.geglu(gate, up, approximate))
+    return gated(gate, up, _gelu_id(approximate))
 
 
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
@@ -326,3 +339,16 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "tanh") -> Tensor:
     if not use_triton(x):
         return reference.bias_gelu(x, bias, approximate)
     return route(_act_fwd, _act_fwd_launch, x, bias, autograd=_act_fwd_eager)(x, None, bias, act)
+
+
+def gated_grads(dy: Tensor, gate: Tensor, up: Tensor, act: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of ``act(gate) * up`` (``act``: SILU, GELU_TANH or GELU_ERF) that also
+    rebuilds the forward's product in the same pass: returns (d_gate, d_up, product).
+
+    For a caller that needs the product only in backward (the weight gradient of the
+    projection it feeds) and so does not keep it from the forward: one extra write here
+    instead of a second forward pass (reading gate and up again). No autograd; Triton only
+    (CUDA tensors, or CPU under the interpreter).
+    """
+    d_gate, d_up, _, product = route(_act_bwd, _act_bwd_launch, gate)(dy, gate, up, None, act, True)
+    return d_gate, d_up, product

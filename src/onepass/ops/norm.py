@@ -514,3 +514,43 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, bi
                    out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """``h = residual + dropout(x)``; returns ``(layer_norm(h), h)`` in one pass (see add_rms_norm)."""
     return _norm(x, residual, weight, bias, eps, dropout_p, seed, False, out_dtype)
+
+
+class _NormPassingInput(torch.autograd.Function):
+    """(norm(x), x): the second output is x itself, as this node's output, so the gradient
+    reaching x through it arrives here and the backward kernel adds it (dh_out) instead of
+    autograd summing the two gradients of x in a separate kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, is_rms):
+        y, _, mean, rstd = _norm_fwd_launch(x, None, weight, bias, eps, 0.0, 0, is_rms, x.dtype)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.set_materialize_grads(False)
+        ctx.bias_dtype, ctx.is_rms = (bias.dtype if bias is not None else None), is_rms
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dx_out):
+        x, weight, mean, rstd = ctx.saved_tensors
+        if dy is None:  # only the passed-on x was used downstream
+            return dx_out, None, None, None, None
+        dx, _, dw, db = _norm_bwd_launch(dy, dx_out, x, weight, ctx.bias_dtype, mean, rstd, 0.0, 0, ctx.is_rms,
+                                         x.dtype, False, False)
+        return dx, dw, db, None, None
+
+
+def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, is_rms: bool
+                       ) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(x, weight, eps), x)`` (``layer_norm`` with ``is_rms=False``) for a tensor
+    that feeds a norm and also goes on (a pre-norm decoder layer's input, which is the
+    residual of the layer's next add): use the returned x downstream, and the gradient it
+    brings back is added inside the norm's backward kernel (a read of it) rather than by
+    autograd's separate add (reads of two tensors and a write). Where no gradient flows,
+    or under torch.compile (its graph has the add to fuse), this is ``(norm(x), x)``."""
+    if is_rms and bias is not None:
+        raise ValueError("RMSNorm takes no bias")
+    if (not use_triton(x) or torch.compiler.is_compiling() or type(x) is not Tensor
+            or not torch.is_grad_enabled() or not x.requires_grad):
+        return _norm(x, None, weight, bias, eps, 0.0, None, is_rms, None)[0], x
+    _check(x, None, weight, bias, 0.0)
+    return _NormPassingInput.apply(x, weight, bias, float(eps), is_rms)

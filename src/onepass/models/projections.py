@@ -1,0 +1,136 @@
+"""Projections that read one input, with the gradient sums and the residual add folded into
+their matmuls; the gated MLP whose product is never kept for backward.
+
+Where several projections read one tensor (q/k/v; gate/up), autograd sums their input
+gradients with a separate add kernel: a read of two [tokens, hidden] tensors and a write
+of one, after matmuls that had the sum's operands in hand. Here the first input gradient
+is a matmul and each next one is ``addmm_`` into it (cuBLAS adds the existing values in
+its epilogue, in fp32, rounding once). The MLP's residual add is the down projection's
+``addmm`` likewise. Llama-3.2-1B's layer loses 4 of its adds this way (q/k/v 2, gate/up 1,
+the residual 1).
+
+``gated_mlp`` runs ``down(act(gate(x)) * up(x))`` as one autograd node that keeps x, gate
+and up only: its backward rebuilds the product ``act(gate) * up`` (the down projection's
+weight gradient needs it) in the same kernel pass that computes d_gate and d_up, at the
+cost of one write, where recomputing it separately reads gate and up again.
+
+Both apply to plain ``nn.Linear`` projections without hooks (``fusable``); anything else
+(a PEFT LoRA layer, a quantised linear) is called as a module, as Hugging Face does.
+Under autocast the inputs are cast as autocast casts them for ``F.linear``, outside the
+node, so its backward casts the weight gradients back to the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from onepass.ops import activation
+from onepass.ops._launch import use_triton
+
+
+def fusable(x: Tensor, modules: tuple[nn.Module, ...]) -> bool:
+    """Whether ``modules`` are plain linears that run here as onepass's nodes: the Triton
+    path (not the reference), no module hooks or replaced forwards to honour."""
+    return use_triton(x) and all(
+        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__
+        for m in modules)
+
+
+def _compute_dtype(x: Tensor, params: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
+    """x and the parameters in autocast's dtype when autocast is on (as F.linear casts them)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, params
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), [p.to(dtype) if p is not None else None for p in params]
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _input_grad(grads: list[Tensor], weights: list[Tensor]) -> Tensor:
+    """sum_i grads[i] @ weights[i], each term after the first added by its matmul."""
+    dx = grads[0] @ weights[0]
+    for g, w in zip(grads[1:], weights[1:]):
+        dx.addmm_(g, w)
+    return dx
+
+
+class _SharedInput(torch.autograd.Function):
+    """(x @ W_i^T + b_i for each i), from x and the flat (W_1, b_1, W_2, b_2, ...)."""
+
+    @staticmethod
+    def forward(ctx, x, *params):
+        weights, biases = params[0::2], params[1::2]
+        x2 = _rows(x)
+        ctx.save_for_backward(x, *weights)
+        ctx.has_bias = [b is not None for b in biases]
+        return tuple(F.linear(x2, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        x2 = _rows(x)
+        needs = ctx.needs_input_grad
+        dx = _input_grad(list(grads), weights).view(x.shape) if needs[0] else None
+        out = []
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            out.append(g.t() @ x2 if needs[1 + 2 * i] else None)
+            out.append(g.sum(0) if ctx.has_bias[i] and needs[2 + 2 * i] else None)
+        return dx, *out
+
+
+def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
+    """``m(x)`` for each of ``modules``; plain linears as one node whose backward adds the
+    input gradients inside its matmuls."""
+    if not fusable(x, modules):
+        return tuple(m(x) for m in modules)
+    params = [p for m in modules for p in (m.weight, m.bias)]
+    x, params = _compute_dtype(x, params)
+    with torch.autocast(x.device.type, enabled=False):
+        outs = _SharedInput.apply(x, *params)
+    return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
+
+
+class _GatedMLP(torch.autograd.Function):
+    """down(act(x @ W_gate^T) * (x @ W_up^T)) (+ residual), keeping x, gate and up."""
+
+    @staticmethod
+    def forward(ctx, x, residual, act, w_gate, w_up, w_down):
+        x2 = _rows(x)
+        gate, up = x2 @ w_gate.t(), x2 @ w_up.t()
+        product = activation.gated(gate, up, act)
+        if residual is None:
+            out = product @ w_down.t()
+        else:
+            out = torch.addmm(_rows(residual), product, w_down.t())
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        ctx.act, ctx.has_residual = act, residual is not None
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        d2, x2 = _rows(d_out), _rows(x)
+        d_gate, d_up, product = activation.gated_grads(d2 @ w_down, gate, up, ctx.act)
+        dx = _input_grad([d_gate, d_up], [w_gate, w_up]).view(x.shape) if needs[0] else None
+        return (dx, d_out if ctx.has_residual and needs[1] else None, None,
+                d_gate.t() @ x2 if needs[3] else None, d_up.t() @ x2 if needs[4] else None,
+                d2.t() @ product if needs[5] else None)
+
+
+def gated_mlp(mlp: nn.Module, x: Tensor, act: int, residual: Tensor | None = None) -> Tensor:
+    """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` (+ ``residual``) as one node,
+    for a fusable MLP (see ``fusable``) with no biases. The residual is added by the down
+    projection's matmul when it has the computation's dtype (not an fp32 stream under
+    autocast: then it is added after)."""
+    x, (w_gate, w_up, w_down) = _compute_dtype(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
+                                                   mlp.down_proj.weight])
+    inside = residual if residual is not None and residual.dtype == x.dtype else None
+    with torch.autocast(x.device.type, enabled=False):
+        out = _GatedMLP.apply(x, inside, act, w_gate, w_up, w_down)
+    return out if residual is None or inside is not None else residual + out

@@ -1,0 +1,146 @@
+"""onepass.models.projections: linears sharing an input (gradient sums inside the matmuls)
+and the gated MLP node (residual add in the down projection, product rebuilt in backward).
+
+Against the same modules called as Hugging Face calls them, in float64 (the node runs in
+fp32; bf16 under autocast): outputs and every gradient; frozen weights; biases; autocast with an fp32
+residual stream; what the MLP node keeps for backward; and where it must not apply.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onepass.models import projections
+from onepass.ops import activation
+from onepass.testing import assert_close
+
+ACTS = {activation.SILU: F.silu, activation.GELU_TANH: lambda z: F.gelu(z, approximate="tanh"),
+        activation.GELU_ERF: F.gelu}
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden, intermediate, dtype):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x, act):
+        return self.down_proj(ACTS[act](self.gate_proj(x)) * self.up_proj(x))
+
+
+def _grads(out, tensors, seed=0):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    g = g.to(out.device, out.dtype)
+    return torch.autograd.grad(out, tensors, g, allow_unused=True)
+
+
+def _leaf(*shape, device, dtype=torch.float32):
+    return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+
+def _double(module, *tensors):
+    """A float64 copy of ``module`` and of ``tensors`` (leaves), for the reference."""
+    return copy.deepcopy(module).double(), [t.detach().double().requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linears_match_the_modules(bias, device):
+    mods = nn.ModuleList(nn.Linear(12, n, bias=bias, device=device) for n in (16, 8, 8))
+    assert projections.fusable(torch.empty(1, device=device), tuple(mods))
+    x = _leaf(2, 5, 12, device=device)
+    ref_mods, (ref_x,) = _double(mods, x)
+    outs = projections.linears(x, tuple(mods))
+    refs = tuple(m(ref_x) for m in ref_mods)
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape
+        assert_close(o, r, torch.float32)
+    got = _grads(torch.cat(outs, -1), [x, *mods.parameters()])
+    want = _grads(torch.cat(refs, -1), [ref_x, *ref_mods.parameters()])
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, torch.float32, f"gradient {i}")
+    assert outs[0].grad_fn.next_functions[0][0].name().endswith("_SharedInputBackward")  # the path under test ran
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("residual", [False, True])
+def test_gated_mlp_matches_the_module(act, residual, device):
+    mlp = MLP(12, 24, torch.float32).to(device)
+    x, res = _leaf(3, 4, 12, device=device), _leaf(3, 4, 12, device=device)
+    ref_mlp, (ref_x, ref_res) = _double(mlp, x, res)
+    out = projections.gated_mlp(mlp, x, act, res if residual else None)
+    ref = ref_mlp(ref_x, act) + (ref_res if residual else 0)
+    assert_close(out, ref, torch.float32)
+    got = _grads(out, [x, *mlp.parameters()] + ([res] if residual else []))
+    want = _grads(ref, [ref_x, *ref_mlp.parameters()] + ([ref_res] if residual else []))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, torch.float32, f"gradient {i}")
+
+
+def test_gated_mlp_keeps_no_product(device):
+    mlp = MLP(12, 24, torch.float32).to(device)
+    x = _leaf(5, 12, device=device)
+    out = projections.gated_mlp(mlp, x, activation.SILU)
+    kept = out.grad_fn.saved_tensors
+    # x, gate, up and the three weights: the [5, 24] product (down_proj's input) is not among them
+    assert [tuple(t.shape) for t in kept] == [(5, 12), (5, 24), (5, 24), (24, 12), (24, 12), (12, 24)]
+    assert out.grad_fn.name().endswith("_GatedMLPBackward")
+
+
+def test_frozen_weights(device):
+    """Only the input's gradient is asked for (LoRA trains adapters beside frozen projections)."""
+    mlp = MLP(8, 16, torch.float32).to(device)
+    mlp.requires_grad_(False)
+    qkv = tuple(nn.Linear(8, 8, device=device).requires_grad_(False) for _ in range(3))
+    x = _leaf(4, 8, device=device)
+    out = projections.gated_mlp(mlp, x, activation.SILU) + sum(projections.linears(x, qkv))
+    ref = mlp(x, activation.SILU) + sum(m(x) for m in qkv)
+    (got,), (want,) = _grads(out, [x], seed=1), _grads(ref, [x], seed=1)
+    assert_close(got, want, torch.float32)
+
+
+def test_autocast_with_an_fp32_residual_stream(device):
+    """Under autocast the projections compute in its dtype and the fp32 stream is added
+    after (not by the bf16 matmul); weight gradients come back fp32, as F.linear gives them."""
+    torch.manual_seed(0)
+    mlp = MLP(16, 32, torch.float32).to(device)
+    qkv = tuple(nn.Linear(16, 16, dtype=torch.float32, device=device) for _ in range(2))
+    x = _leaf(6, 16, device=device, dtype=torch.float32)
+    res = _leaf(6, 16, device=device, dtype=torch.float32)
+    params = [x, res, *mlp.parameters(), *(p for m in qkv for p in m.parameters())]
+    results = []
+    for run in (lambda: (projections.gated_mlp(mlp, x, activation.SILU, res), projections.linears(x, qkv)),
+                lambda: (res + mlp(x, activation.SILU), tuple(m(x) for m in qkv))):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out, (a, b) = run()
+        assert out.dtype == torch.float32 and a.dtype == torch.bfloat16
+        total = out + (a + b).float()
+        results.append((total, _grads(total, params)))
+    (got, got_grads), (want, want_grads) = results
+    assert_close(got, want, torch.bfloat16)
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        assert g.dtype == w.dtype == torch.float32
+        assert_close(g, w, torch.bfloat16, f"gradient {i}")
+
+
+def test_not_fusable(device, monkeypatch):
+    x = torch.empty(1, device=device)
+    plain = nn.Linear(4, 4, device=device)
+
+    class Adapted(nn.Linear):  # a subclass (what PEFT and quantisers wrap or replace) may do anything
+        pass
+
+    hooked = nn.Linear(4, 4, device=device)
+    hooked.register_forward_hook(lambda *a: None)
+    replaced = nn.Linear(4, 4, device=device)
+    replaced.forward = lambda t: t
+    assert projections.fusable(x, (plain,))
+    for other in (Adapted(4, 4, device=device), hooked, replaced):
+        assert not projections.fusable(x, (plain, other))
+    monkeypatch.setenv("ONEPASS_REFERENCE", "1")
+    assert not projections.fusable(x, (plain,))
