@@ -16,3 +16,20 @@ def test_markdown_rows_carry_the_gpu_only_time():
     assert "| eager | 2.900 | — | — | — | — | — | 15.76 |" in text
     assert "| liger | failed: ImportError: no liger | — |" in text
     assert "| ms | GPU ms | GB/s |" in text
+
+
+def test_train_markdown_rows_carry_the_gpu_clock():
+    from dataclasses import asdict
+
+    from onepass.bench.train import Result
+    from onepass.bench.train import to_markdown as train_markdown
+
+    results = [Result("liger", 62000.0, 132.1, 16.9, 0.81, 0.02, sm_mhz=1755.0, watts=690.0),
+               Result("onepass", 68200.0, 120.1, 14.8, 0.89, 0.02, note="all switches on"),
+               Result("eager", error="OutOfMemoryError: x")]
+    summary = {"env": ENV, "model": "llama-1b", "batch": 4, "seq": 2048, "results": [asdict(r) for r in results],
+               "floor": {"tokens_per_s": 76400.0, "matmul_tflop": 64.6, "memory_gib": 52.0}}
+    text = train_markdown(summary)
+    assert "| liger | 62.0k | 132.1 | 16.9 | 81 | 1.00x | 1.00x | 1755, 690 |  |" in text
+    assert "| onepass | 68.2k | 120.1 | 14.8 | 89 | 1.10x | 0.88x | — | all switches on |" in text
+    assert "| eager | failed: OutOfMemoryError: x | | | | | | | |" in text

@@ -1,5 +1,5 @@
 """onepass.models.projections: linears sharing an input (gradient sums inside the matmuls)
-and the gated MLP node (residual add in the down projection, product rebuilt in backward).
+and the gated MLP node (product rebuilt in backward).
 
 Against the same modules called as Hugging Face calls them, in float64 (the node runs in
 fp32; bf16 under autocast): outputs and every gradient; frozen weights; biases; autocast with an fp32
@@ -68,16 +68,15 @@ def test_linears_match_the_modules(bias, device):
 
 
 @pytest.mark.parametrize("act", list(ACTS))
-@pytest.mark.parametrize("residual", [False, True])
-def test_gated_mlp_matches_the_module(act, residual, device):
+def test_gated_mlp_matches_the_module(act, device):
     mlp = MLP(12, 24, torch.float32).to(device)
-    x, res = _leaf(3, 4, 12, device=device), _leaf(3, 4, 12, device=device)
-    ref_mlp, (ref_x, ref_res) = _double(mlp, x, res)
-    out = projections.gated_mlp(mlp, x, act, res if residual else None)
-    ref = ref_mlp(ref_x, act) + (ref_res if residual else 0)
+    x = _leaf(3, 4, 12, device=device)
+    ref_mlp, (ref_x,) = _double(mlp, x)
+    out = projections.gated_mlp(mlp, x, act)
+    ref = ref_mlp(ref_x, act)
     assert_close(out, ref, torch.float32)
-    got = _grads(out, [x, *mlp.parameters()] + ([res] if residual else []))
-    want = _grads(ref, [ref_x, *ref_mlp.parameters()] + ([ref_res] if residual else []))
+    got = _grads(out, [x, *mlp.parameters()])
+    want = _grads(ref, [ref_x, *ref_mlp.parameters()])
     for i, (g, w) in enumerate(zip(got, want)):
         assert_close(g, w, torch.float32, f"gradient {i}")
 
@@ -104,22 +103,20 @@ def test_frozen_weights(device):
     assert_close(got, want, torch.float32)
 
 
-def test_autocast_with_an_fp32_residual_stream(device):
-    """Under autocast the projections compute in its dtype and the fp32 stream is added
-    after (not by the bf16 matmul); weight gradients come back fp32, as F.linear gives them."""
-    torch.manual_seed(0)
+def test_autocast(device):
+    """Under autocast the nodes compute in its dtype; the weight gradients come back in the
+    parameters' fp32, as F.linear gives them."""
     mlp = MLP(16, 32, torch.float32).to(device)
     qkv = tuple(nn.Linear(16, 16, dtype=torch.float32, device=device) for _ in range(2))
-    x = _leaf(6, 16, device=device, dtype=torch.float32)
-    res = _leaf(6, 16, device=device, dtype=torch.float32)
-    params = [x, res, *mlp.parameters(), *(p for m in qkv for p in m.parameters())]
+    x = _leaf(6, 16, device=device)
+    params = [x, *mlp.parameters(), *(p for m in qkv for p in m.parameters())]
     results = []
-    for run in (lambda: (projections.gated_mlp(mlp, x, activation.SILU, res), projections.linears(x, qkv)),
-                lambda: (res + mlp(x, activation.SILU), tuple(m(x) for m in qkv))):
+    for run in (lambda: (projections.gated_mlp(mlp, x, activation.SILU), projections.linears(x, qkv)),
+                lambda: (mlp(x, activation.SILU), tuple(m(x) for m in qkv))):
         with torch.autocast(device, dtype=torch.bfloat16):
             out, (a, b) = run()
-        assert out.dtype == torch.float32 and a.dtype == torch.bfloat16
-        total = out + (a + b).float()
+        assert out.dtype == a.dtype == torch.bfloat16
+        total = out + a + b
         results.append((total, _grads(total, params)))
     (got, got_grads), (want, want_grads) = results
     assert_close(got, want, torch.bfloat16)

@@ -11,6 +11,13 @@ autotuning) it times each step with CUDA events and reports the median tokens/s 
 peak memory allocated during the timed steps (weights, gradients and optimizer state
 included, as ``max_memory_allocated``).
 
+A GPU's clock under this load follows its power and temperature, so a variant's time
+depends on when in the run it is measured: on one H200, the same onepass step measured
+first in a process took 124.9 ms and third 120.2 ms, Liger's 131.3 ms second and 135.9 ms
+fourth. The run therefore heats the GPU before the first variant (``HEAT_S`` of matmuls),
+and reports the median SM clock and power that nvidia-smi read during each variant's timed
+steps, so that what differs between rows besides the code is on the table.
+
 The floor: the step's matmul FLOPs at the bf16 matmul rate measured in this run, plus its
 minimum memory-bound bytes at the copy bandwidth measured in this run (see
 ``step_floor``); each variant is reported as a fraction of the floor's tokens/s.
@@ -21,6 +28,9 @@ from __future__ import annotations
 import gc
 import json
 import statistics
+import subprocess
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,7 +46,8 @@ ONEPASS_SWITCHES = {"onepass": {}, "onepass+torch.compile": {}, "onepass, SDPA a
 
 # Timed steps after warm-up (the compiled variants compile during warm-up).
 WARMUP_STEPS = 3
-TIMED_STEPS = 10
+TIMED_STEPS = 20
+HEAT_S = 20.0  # seconds of bf16 matmuls before the first variant
 
 
 @dataclass
@@ -49,6 +60,52 @@ class Result:
     loss: float | None = None
     error: str | None = None
     note: str | None = None
+    sm_mhz: float | None = None  # median SM clock and power during the timed steps (nvidia-smi)
+    watts: float | None = None
+
+
+# -------------------------------------------------------------------- the GPU's state
+
+
+def _heat(seconds: float) -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    end = torch.cuda.Event()
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        for _ in range(20):
+            a @ a
+        end.record()
+        end.synchronize()
+
+
+def _sample_gpu() -> Callable[[], tuple[float | None, float | None]]:
+    """Start reading the current GPU's SM clock (MHz) and power (W) from nvidia-smi every
+    0.2 s in a thread; the returned ``stop()`` gives their medians (None without nvidia-smi)."""
+    index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    query = ["nvidia-smi", f"--id={f'GPU-{uuid}' if uuid is not None else index}",
+             "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+    samples, done = [], threading.Event()
+
+    def poll():
+        while not done.wait(0.2):
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
+                samples.append(tuple(float(v) for v in out.split(",")))
+            except (OSError, ValueError, subprocess.SubprocessError):
+                return
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+
+    def stop():
+        done.set()
+        thread.join()
+        if not samples:
+            return None, None
+        return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+    return stop
 
 
 # ------------------------------------------------------------------------- the floor
@@ -131,7 +188,7 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
+        times, stop_sampling = [], _sample_gpu()
         for _ in range(TIMED_STEPS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -139,6 +196,7 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
+        result.sm_mhz, result.watts = stop_sampling()
         result.step_ms = statistics.median(times)
         result.tokens_per_s = ids.numel() / (result.step_ms / 1e3)
         result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -194,6 +252,8 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
 
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=g)
+    log(f"heating the GPU for {HEAT_S:.0f} s ...")
+    _heat(HEAT_S)
     results = []
     for variant in variants:
         r = _measure(variant, fresh, ids, log)
@@ -225,17 +285,19 @@ def to_markdown(summary: dict) -> str:
         "", f"Command: `{env['command']}`", "",
         f"Floor of the step: {floor['tokens_per_s'] / 1e3:.1f}k tokens/s ({floor['matmul_tflop']:.1f} TFLOP at the "
         f"matmul rate + {floor['memory_gib']:.1f} GiB at the copy bandwidth).", "",
-        "| variant | tokens/s | ms/step | peak GiB | % of floor | vs Liger tokens/s | vs Liger memory | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | tokens/s | ms/step | peak GiB | % of floor | vs Liger tokens/s | vs Liger memory | SM MHz, W | "
+        "note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["results"]:
         if r["error"]:
-            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | | |")
             continue
+        gpu = f"{r['sm_mhz']:.0f}, {r['watts']:.0f}" if r.get("sm_mhz") is not None else "—"
         vs_t = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}x" if liger.get("tokens_per_s") else "—"
         vs_m = f"{r['peak_gib'] / liger['peak_gib']:.2f}x" if liger.get("peak_gib") else "—"
         lines.append(f"| {r['variant']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['step_ms']:.1f} | {r['peak_gib']:.1f} | "
-                     f"{100 * r['frac_floor']:.0f} | {vs_t} | {vs_m} | {r['note'] or ''} |")
+                     f"{100 * r['frac_floor']:.0f} | {vs_t} | {vs_m} | {gpu} | {r['note'] or ''} |")
     lines += ["", "Target (issue 6): onepass >= 1.1x Liger's tokens/s at <= 0.9x Liger's peak memory; "
               "onepass + torch.compile no slower than onepass."]
     return "\n".join(lines) + "\n"

@@ -333,37 +333,26 @@ GATED = {
 
 
 def gated_mlp_forward(act: int, recompute: bool) -> Callable:
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` (``+ residual`` when given) with the
-    activation and product fused.
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation and product fused.
 
     Plain linear projections run as one node (``projections.gated_mlp``): no gradient sum
-    for gate/up, the residual added by the down projection's matmul, and the product never
-    kept (its backward rebuilds it). Otherwise (PEFT LoRA layers, ...) the projections are
-    called as modules, and with ``recompute``, in training, the product is not kept for
-    backward but recomputed there from gate and up, which the activation keeps anyway.
+    for gate/up, and the product never kept (its backward rebuilds it). Otherwise (PEFT LoRA
+    layers, ...) the projections are called as modules, and with ``recompute``, in training,
+    the product is not kept for backward but recomputed there from gate and up, which the
+    activation keeps anyway.
     """
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        if projections.fusable(x, (self.gate_proj, self.up_proj, self.down_proj)) and all(
-                p.bias is None for p in (self.gate_proj, self.up_proj, self.down_proj)):
-            return projections.gated_mlp(self, x, act, residual)
+    def forward(self, x: Tensor) -> Tensor:
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if projections.fusable(x, projs) and all(p.bias is None for p in projs):
+            return projections.gated_mlp(self, x, act)
         gate, up = projections.linears(x, (self.gate_proj, self.up_proj))
         product = activation.gated(gate, up, act)
         if recompute and self.training:
-            out = with_recomputed(self.down_proj, product, functools.partial(activation.gated, act=act), (gate, up))
-        else:
-            out = self.down_proj(product)
-        return out if residual is None else residual + out
+            return with_recomputed(self.down_proj, product, functools.partial(activation.gated, act=act), (gate, up))
+        return self.down_proj(product)
 
-    forward.adds_residual = True
     return forward
-
-
-def add_mlp(mlp: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-    """``residual + mlp(x)``; onepass's gated MLP folds the add into its down projection."""
-    if getattr(mlp.forward, "adds_residual", False):
-        return mlp(x, residual=residual)
-    return residual + mlp(x)
 
 
 def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -> str:
@@ -375,7 +364,7 @@ def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -
         patches.set_forward(layer.mlp, forward)
     op = "swiglu" if act == activation.SILU else "geglu"
     return (f"{FUSED}: {op} ({act_name}); plain linear projections as one node (no gate/up gradient sum, "
-            "residual add in the down projection, product rebuilt in backward)")
+            "product rebuilt in backward)")
 
 
 # --------------------------------------------------------------- rotary attention

@@ -3,14 +3,13 @@
 The layer (pre-norm, residual stream h):
 
     HF:       a = attn(rms(h));  h = h + a;  h = h + mlp(rms(h))
-    onepass:  a = attn(rms(h));  y, h = add_rms_norm(a, h);  h = mlp(y, residual=h)
+    onepass:  a = attn(rms(h));  y, h = add_rms_norm(a, h);  h = h + mlp(y)
 
 so the residual add and the second norm are one pass that writes both the new stream
 and the normed input of the MLP; the MLP's ``silu(gate) * up`` is ``swiglu``, and with
-plain linear projections the MLP is one node whose down projection adds the residual
-(``projections.gated_mlp``). The first norm hands h on through its own node
-(``passing_input``), so in backward the stream's gradient is added inside the norm's
-kernel, not by a separate add. With the ``recompute`` switch, neither norm output (the
+plain linear projections the MLP is one node (``projections.gated_mlp``). The first norm
+hands h on through its own node (``passing_input``), so in backward the stream's gradient
+is added inside the norm's kernel, not by a separate add. With the ``recompute`` switch, neither norm output (the
 input of q/k/v, of gate/up) nor the swiglu product (the input of down_proj) is kept for
 backward: they are rebuilt there from h, and from gate and up, which autograd keeps anyway.
 """
@@ -29,8 +28,7 @@ def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
     attn, _ = common.after_norm(recompute, lambda x: self.self_attn(hidden_states=x, **kwargs), normed,
                                 self.input_layernorm, hidden_states)
     normed, hidden_states = self.post_attention_layernorm(attn, hidden_states)
-    return common.after_norm(recompute, lambda x: common.add_mlp(self.mlp, x, hidden_states), normed,
-                             self.post_attention_layernorm, hidden_states)
+    return hidden_states + common.after_norm(recompute, self.mlp, normed, self.post_attention_layernorm, hidden_states)
 
 
 def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:

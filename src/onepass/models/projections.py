@@ -1,13 +1,14 @@
-"""Projections that read one input, with the gradient sums and the residual add folded into
-their matmuls; the gated MLP whose product is never kept for backward.
+"""Projections that read one input, with their gradient sums folded into their matmuls; the
+gated MLP whose product is never kept for backward.
 
 Where several projections read one tensor (q/k/v; gate/up), autograd sums their input
 gradients with a separate add kernel: a read of two [tokens, hidden] tensors and a write
 of one, after matmuls that had the sum's operands in hand. Here the first input gradient
 is a matmul and each next one is ``addmm_`` into it (cuBLAS adds the existing values in
-its epilogue, in fp32, rounding once). The MLP's residual add is the down projection's
-``addmm`` likewise. Llama-3.2-1B's layer loses 4 of its adds this way (q/k/v 2, gate/up 1,
-the residual 1).
+its epilogue, in fp32, rounding once). Llama-3.2-1B's layer loses 3 of its adds this way
+(q/k/v 2, gate/up 1). The residual add after the MLP is not folded likewise: ``addmm`` with
+the residual as its C first copies C into its output (a Memcpy of the same bytes, in an
+H200 profile of the train step), which leaves nothing of the add's cost to save.
 
 ``gated_mlp`` runs ``down(act(gate(x)) * up(x))`` as one autograd node that keeps x, gate
 and up only: its backward rebuilds the product ``act(gate) * up`` (the down projection's
@@ -96,19 +97,15 @@ def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
 
 
 class _GatedMLP(torch.autograd.Function):
-    """down(act(x @ W_gate^T) * (x @ W_up^T)) (+ residual), keeping x, gate and up."""
+    """down(act(x @ W_gate^T) * (x @ W_up^T)), keeping x, gate and up."""
 
     @staticmethod
-    def forward(ctx, x, residual, act, w_gate, w_up, w_down):
+    def forward(ctx, x, act, w_gate, w_up, w_down):
         x2 = _rows(x)
         gate, up = x2 @ w_gate.t(), x2 @ w_up.t()
-        product = activation.gated(gate, up, act)
-        if residual is None:
-            out = product @ w_down.t()
-        else:
-            out = torch.addmm(_rows(residual), product, w_down.t())
+        out = activation.gated(gate, up, act) @ w_down.t()
         ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
-        ctx.act, ctx.has_residual = act, residual is not None
+        ctx.act = act
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -118,19 +115,14 @@ class _GatedMLP(torch.autograd.Function):
         d2, x2 = _rows(d_out), _rows(x)
         d_gate, d_up, product = activation.gated_grads(d2 @ w_down, gate, up, ctx.act)
         dx = _input_grad([d_gate, d_up], [w_gate, w_up]).view(x.shape) if needs[0] else None
-        return (dx, d_out if ctx.has_residual and needs[1] else None, None,
-                d_gate.t() @ x2 if needs[3] else None, d_up.t() @ x2 if needs[4] else None,
-                d2.t() @ product if needs[5] else None)
+        return (dx, None, d_gate.t() @ x2 if needs[2] else None, d_up.t() @ x2 if needs[3] else None,
+                d2.t() @ product if needs[4] else None)
 
 
-def gated_mlp(mlp: nn.Module, x: Tensor, act: int, residual: Tensor | None = None) -> Tensor:
-    """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` (+ ``residual``) as one node,
-    for a fusable MLP (see ``fusable``) with no biases. The residual is added by the down
-    projection's matmul when it has the computation's dtype (not an fp32 stream under
-    autocast: then it is added after)."""
+def gated_mlp(mlp: nn.Module, x: Tensor, act: int) -> Tensor:
+    """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, for a fusable MLP
+    (see ``fusable``) with no biases."""
     x, (w_gate, w_up, w_down) = _compute_dtype(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
                                                    mlp.down_proj.weight])
-    inside = residual if residual is not None and residual.dtype == x.dtype else None
     with torch.autocast(x.device.type, enabled=False):
-        out = _GatedMLP.apply(x, inside, act, w_gate, w_up, w_down)
-    return out if residual is None or inside is not None else residual + out
+        return _GatedMLP.apply(x, act, w_gate, w_up, w_down)
