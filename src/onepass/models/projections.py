@@ -16,7 +16,10 @@ weight gradient needs it) in the same kernel pass that computes d_gate and d_up,
 cost of one write, where recomputing it separately reads gate and up again.
 
 Both apply to plain ``nn.Linear`` projections without hooks (``fusable``); anything else
-(a PEFT LoRA layer, a quantised linear) is called as a module, as Hugging Face does.
+(a PEFT LoRA layer, a quantised linear) is called as a module, as Hugging Face does. So
+is everything under torch.compile, which partitions the graph itself: through these nodes
+the compiled onepass train step of Llama-3.2-1B took 139.1 ms on an H200, where it had
+taken 120.7 ms through the modules (a run the day before).
 Under autocast the inputs are cast as autocast casts them for ``F.linear``, outside the
 node, so its backward casts the weight gradients back to the parameters' dtype.
 """
@@ -33,8 +36,9 @@ from onepass.ops._launch import use_triton
 
 def fusable(x: Tensor, modules: tuple[nn.Module, ...]) -> bool:
     """Whether ``modules`` are plain linears that run here as onepass's nodes: the Triton
-    path (not the reference), no module hooks or replaced forwards to honour."""
-    return use_triton(x) and all(
+    path (not the reference), not under torch.compile, no module hooks or replaced forwards
+    to honour."""
+    return use_triton(x) and not torch.compiler.is_compiling() and all(
         type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__
         for m in modules)
 
