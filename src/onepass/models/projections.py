@@ -17,11 +17,9 @@ cost of one write, where recomputing it separately reads gate and up again.
 
 Both apply to plain ``nn.Linear`` projections without hooks (``fusable``); anything else
 (a PEFT LoRA layer, a quantised linear) is called as a module, as Hugging Face does. So
-is everything under torch.compile, which partitions the graph itself: through these nodes
-the compiled onepass train step of Llama-3.2-1B took 139.1 ms on an H200, where it had
-taken 120.7 ms through the modules (a run the day before).
-Under autocast the inputs are cast as autocast casts them for ``F.linear``, outside the
-node, so its backward casts the weight gradients back to the parameters' dtype.
+is everything under torch.compile, which partitions the graph itself and would see these
+nodes as opaque (not measured with them: the compiled step's slowdown first blamed on
+them came from the training forward's cache setting, see ``common.causal_lm_forward``).
 """
 
 from __future__ import annotations
