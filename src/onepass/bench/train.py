@@ -90,7 +90,7 @@ def _sample_gpu() -> Callable[[], tuple[float | None, float | None]]:
     def poll():
         while not done.wait(0.2):
             try:
-                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
+                out = subprocess.run(query, capture_output=True, text=True, timeout=5, check=False).stdout
                 samples.append(tuple(float(v) for v in out.split(",")))
             except (OSError, ValueError, subprocess.SubprocessError):
                 return
@@ -285,8 +285,8 @@ def to_markdown(summary: dict) -> str:
         "", f"Command: `{env['command']}`", "",
         f"Floor of the step: {floor['tokens_per_s'] / 1e3:.1f}k tokens/s ({floor['matmul_tflop']:.1f} TFLOP at the "
         f"matmul rate + {floor['memory_gib']:.1f} GiB at the copy bandwidth).", "",
-        "| variant | tokens/s | ms/step | peak GiB | % of floor | vs Liger tokens/s | vs Liger memory | SM MHz, W | "
-        "note |",
+        ("| variant | tokens/s | ms/step | peak GiB | % of floor | vs Liger tokens/s | vs Liger memory | SM MHz, W | "
+         "note |"),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["results"]:
