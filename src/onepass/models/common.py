@@ -374,7 +374,8 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
     """The attention block of the rotary families with RoPE done by ``rope`` on the
     [batch, seq, heads, dim] projections (no transposed copies); q/k norms (Qwen3, Gemma 3)
     are applied per head first. Plain linear q/k/v projections run as one node whose
-    backward adds their input gradients inside its matmuls (``projections.linears``). Attention itself goes through transformers' registry, so
+    backward adds their input gradients inside its matmuls (``projections.linears``).
+    Attention itself goes through transformers' registry, so
     ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
