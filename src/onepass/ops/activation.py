@@ -217,7 +217,7 @@ def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act
 
 
 def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int,
-                    write_y: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    write_y: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_up, d_bias, y): y, the forward's output, only with ``write_y`` (gated only)."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     du = torch.empty(x.shape, dtype=up.dtype, device=x.device) if up is not None else None
