@@ -18,18 +18,18 @@ def test_markdown_rows_carry_the_gpu_only_time():
     assert "| ms | GPU ms | GB/s |" in text
 
 
-def test_train_markdown_rows_carry_the_gpu_clock():
+def test_train_markdown_rows_carry_the_gpu_clock_and_the_synced_step():
     from dataclasses import asdict
 
     from onepass.bench.train import Result
     from onepass.bench.train import to_markdown as train_markdown
 
-    results = [Result("liger", 62000.0, 132.1, 16.9, 0.81, 0.02, sm_mhz=1755.0, watts=690.0),
-               Result("onepass", 68200.0, 120.1, 14.8, 0.89, 0.02, note="all switches on"),
+    results = [Result("liger", 62000.0, 132.1, 16.9, 0.81, 0.02, sm_mhz=1755.0, watts=690.0, synced_step_ms=135.0),
+               Result("onepass", 68200.0, 120.1, 14.8, 0.89, 0.02, note="all switches on", synced_step_ms=125.0),
                Result("eager", error="OutOfMemoryError: x")]
     summary = {"env": ENV, "model": "llama-1b", "batch": 4, "seq": 2048, "results": [asdict(r) for r in results],
                "floor": {"tokens_per_s": 76400.0, "matmul_tflop": 64.6, "memory_gib": 52.0}}
     text = train_markdown(summary)
-    assert "| liger | 62.0k | 132.1 | 16.9 | 81 | 1.00x | 1.00x | 1755, 690 |  |" in text
-    assert "| onepass | 68.2k | 120.1 | 14.8 | 89 | 1.10x | 0.88x | — | all switches on |" in text
-    assert "| eager | failed: OutOfMemoryError: x | | | | | | | |" in text
+    assert "| liger | 62.0k | 132.1 | 16.9 | 81 | 1.00x | 1.00x | 135.0, 1.00x | 1755, 690 |  |" in text
+    assert "| onepass | 68.2k | 120.1 | 14.8 | 89 | 1.10x | 0.88x | 125.0, 1.08x | — | all switches on |" in text
+    assert "| eager | failed: OutOfMemoryError: x | | | | | | | | |" in text

@@ -79,6 +79,25 @@ def test_training_forward_builds_no_kv_cache_unless_asked(family, device):
     torch.testing.assert_close(asked.loss, out.loss)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_forward_never_syncs_on_packed_sequence_check(family, device, monkeypatch):
+    """Without a cache HF checks the position ids for packed sequences (``.all()`` on the
+    device: a host sync each forward); the training forward hands the base model an unfilled
+    cache, so the check never runs and nothing is copied into a cache."""
+    import transformers.masking_utils as masking
+
+    calls = []
+    check = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a: calls.append(1) or check(*a))
+    model, ref = _pair(family, device)
+    model.train(), ref.train()
+    ids = _batch().to(device)
+    out = model(ids, labels=ids)
+    assert calls == []
+    assert out.past_key_values is None
+    _assert_close(out.loss, ref(ids, labels=ids).loss, "loss")
+
+
 def test_training_curve_matches(device):
     """30 AdamW steps on the shipped corpus (bytes as tokens): the loss curves agree within
     1e-3 absolute at every step (fp32; rounding differences compound through the updates),
@@ -241,6 +260,22 @@ def test_torch_compile_fullgraph(device):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     with torch.no_grad():
         _assert_close(compiled(ids).logits, ref(ids).logits, "compiled logits")
+
+
+def test_torch_compile_training_step_fullgraph(device):
+    """A training forward with labels (the fused loss, the unfilled cache) compiles as one
+    graph, and its loss and gradients match the unoptimized model's."""
+    model, ref = _pair("llama", device)
+    model.train(), ref.train()
+    ids = _batch().to(device)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    ref_loss, ref_grads = _loss_and_grads(ref, ids)
+    _assert_close(loss, ref_loss, "compiled loss")
+    for name, g in ref_grads.items():
+        _assert_close(grads[name], g, f"compiled d {name}")
 
 
 def test_torch_compile_runs_the_onepass_attention_kernel(device, monkeypatch):

@@ -11,6 +11,14 @@ autotuning) it times each step with CUDA events and reports the median tokens/s 
 peak memory allocated during the timed steps (weights, gradients and optimizer state
 included, as ``max_memory_allocated``).
 
+Steps are timed twice. First back to back, as a trainer runs them (Hugging Face's Trainer
+keeps the loss on the device between logging steps): the host queues each step while the
+GPU runs the last, and a step's time is between its events on the GPU; this is the row's
+tokens/s. Then with a host sync after every step (``synced``), where the GPU idles at each
+step's start until the host has queued enough work again: the gap between the two columns
+is host time that a variant's Python, launches or own syncs (Liger's loss reads a count
+back every step) leave the GPU waiting for.
+
 A GPU's clock under this load follows its power and temperature, so a variant's time
 depends on when in the run it is measured: on one H200, the same onepass step measured
 first in a process took 124.9 ms and third 120.2 ms, Liger's 131.3 ms second and 135.9 ms
@@ -54,7 +62,7 @@ HEAT_S = 20.0  # seconds of bf16 matmuls before the first variant
 class Result:
     variant: str
     tokens_per_s: float | None = None
-    step_ms: float | None = None
+    step_ms: float | None = None  # median, steps back to back
     peak_gib: float | None = None
     frac_floor: float | None = None
     loss: float | None = None
@@ -62,6 +70,7 @@ class Result:
     note: str | None = None
     sm_mhz: float | None = None  # median SM clock and power during the timed steps (nvidia-smi)
     watts: float | None = None
+    synced_step_ms: float | None = None  # median, a host sync after every step
 
 
 # -------------------------------------------------------------------- the GPU's state
@@ -168,6 +177,22 @@ def _prepare(variant: str, model: torch.nn.Module):
     return torch.compile(model) if variant == "onepass+torch.compile" else model
 
 
+def _step_times(step: Callable[[], torch.Tensor], synced: bool) -> list[float]:
+    """Milliseconds of ``TIMED_STEPS`` steps, each between CUDA events around it; with
+    ``synced`` the host waits for each step before queueing the next."""
+    events = []
+    for _ in range(TIMED_STEPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        events.append((start, end))
+        if synced:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tensor, log) -> Result:
     result = Result(variant)
     model = opt = forward = None
@@ -188,16 +213,11 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times, stop_sampling = [], _sample_gpu()
-        for _ in range(TIMED_STEPS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+        stop_sampling = _sample_gpu()
+        result.step_ms = statistics.median(_step_times(step, synced=False))
+        result.synced_step_ms = statistics.median(_step_times(step, synced=True))
         result.sm_mhz, result.watts = stop_sampling()
-        result.step_ms = statistics.median(times)
+        loss = step()
         result.tokens_per_s = ids.numel() / (result.step_ms / 1e3)
         result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
         result.loss = loss.item()
@@ -285,19 +305,22 @@ def to_markdown(summary: dict) -> str:
         "", f"Command: `{env['command']}`", "",
         f"Floor of the step: {floor['tokens_per_s'] / 1e3:.1f}k tokens/s ({floor['matmul_tflop']:.1f} TFLOP at the "
         f"matmul rate + {floor['memory_gib']:.1f} GiB at the copy bandwidth).", "",
-        ("| variant | tokens/s | ms/step | peak GiB | % of floor | vs Liger tokens/s | vs Liger memory | SM MHz, W | "
-         "note |"),
-        "|---|---|---|---|---|---|---|---|---|",
+        ("| variant | tokens/s | ms/step | peak GiB | % of floor | vs Liger tokens/s | vs Liger memory | "
+         "synced: ms/step, vs Liger | SM MHz, W | note |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["results"]:
         if r["error"]:
-            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | | | |")
             continue
         gpu = f"{r['sm_mhz']:.0f}, {r['watts']:.0f}" if r.get("sm_mhz") is not None else "—"
         vs_t = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}x" if liger.get("tokens_per_s") else "—"
         vs_m = f"{r['peak_gib'] / liger['peak_gib']:.2f}x" if liger.get("peak_gib") else "—"
+        synced = f"{r['synced_step_ms']:.1f}" + (f", {liger['synced_step_ms'] / r['synced_step_ms']:.2f}x"
+                                                  if liger.get("synced_step_ms") else "")
         lines.append(f"| {r['variant']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['step_ms']:.1f} | {r['peak_gib']:.1f} | "
-                     f"{100 * r['frac_floor']:.0f} | {vs_t} | {vs_m} | {gpu} | {r['note'] or ''} |")
+                     f"{100 * r['frac_floor']:.0f} | {vs_t} | {vs_m} | {synced} | {gpu} | {r['note'] or ''} |")
     lines += ["", "Target (issue 6): onepass >= 1.1x Liger's tokens/s at <= 0.9x Liger's peak memory; "
-              "onepass + torch.compile no slower than onepass."]
+              "onepass + torch.compile no slower than onepass. Tokens/s: steps back to back; \"synced\": a host "
+              "sync after every step (see the module docstring of onepass.bench.train)."]
     return "\n".join(lines) + "\n"

@@ -488,15 +488,33 @@ def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
 # --------------------------------------------------------------------- LM head + loss
 
 
+@functools.cache
+def _unfilled_cache_type() -> type:
+    from transformers import DynamicCache
+
+    class UnfilledCache(DynamicCache):
+        """A training forward's KV cache that is never filled: ``update`` hands k and v back,
+        as an empty cache returns them, without HF's copy of every layer's k and v (32
+        copies, ~1.0 ms a step, in a profile of Llama-3.2-1B at 4 x 2048 on an H200)."""
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return key_states, value_states
+
+    return UnfilledCache
+
+
 def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     """With labels in training: the base model, then the LM head and the shifted
     cross-entropy in one ``linear_cross_entropy`` (logits never materialised; the output's
-    ``logits`` is None), and no KV cache unless asked for (``use_cache=True``): HF's default
-    cache copies every layer's k and v in a training step, for nothing (32 copies, ~1.0 ms
-    a step, in a profile of Llama-3.2-1B at 4 x 2048 on an H200). Not under torch.compile:
-    there the same step without the cache took 140.9 ms against 124.0 with it (H200; not
-    understood: no graph break either way, the compiled graph peaks 0.8 GiB higher without
-    it). Otherwise (inference, generate, no labels) the original forward."""
+    ``logits`` is None). Otherwise (inference, generate, no labels) the original forward.
+
+    No KV cache is filled unless asked for (``use_cache=True`` or ``past_key_values``), yet
+    the base model gets an (unfilled) cache: without one, HF checks the position ids for
+    packed sequences, a host sync every forward (so the host cannot queue the step ahead of
+    the GPU), and under torch.compile that check builds a full mask instead (the compiled
+    step took 140.9 ms against 124.0, H200). Under gradient checkpointing, whose layers drop
+    any cache with a warning, the base model runs with ``use_cache=False``."""
+    unfilled_cache = _unfilled_cache_type()
 
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
         if labels is None or not self.training or args:
@@ -508,8 +526,11 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", -100)
-        if not torch.compiler.is_compiling():
-            kwargs.setdefault("use_cache", False)
+        unfilled = not kwargs.get("use_cache") and kwargs.get("past_key_values") is None
+        if unfilled and getattr(self.base_model, "gradient_checkpointing", False):
+            kwargs["use_cache"] = False
+        elif unfilled:
+            kwargs["past_key_values"] = unfilled_cache(config=self.config)
         out = self.base_model(input_ids, **kwargs)
         hidden = out[0]
         if shift_labels is None:
@@ -522,7 +543,7 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         result = CausalLMOutputWithPast(
-            loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+            loss=loss, logits=None, past_key_values=None if unfilled else getattr(out, "past_key_values", None),
             hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None),
         )
         return result.to_tuple() if return_dict is False else result
