@@ -33,3 +33,15 @@ def test_train_markdown_rows_carry_the_gpu_clock_and_the_synced_step():
     assert "| liger | 62.0k | 132.1 | 16.9 | 81 | 1.00x | 1.00x | 135.0, 1.00x | 1755, 690 |  |" in text
     assert "| onepass | 68.2k | 120.1 | 14.8 | 89 | 1.10x | 0.88x | 125.0, 1.08x | — | all switches on |" in text
     assert "| eager | failed: OutOfMemoryError: x | | | | | | | | |" in text
+
+
+def test_train_rounds_combine_into_one_row():
+    from onepass.bench.train import Result, _combine
+
+    a = Result("onepass", 8192 / 0.120, 120.0, 14.8, loss=2.0, sm_mhz=1600.0, watts=690.0, synced_step_ms=125.0)
+    b = Result("onepass", 8192 / 0.124, 124.0, 14.9, loss=1.9, sm_mhz=1560.0, watts=692.0, synced_step_ms=127.0)
+    row = _combine([a, b])
+    assert row.step_ms == 122.0 and row.round_step_ms == [120.0, 124.0]
+    assert abs(row.tokens_per_s - 8192 / 0.122) < 1e-6
+    assert (row.peak_gib, row.loss, row.sm_mhz, row.watts, row.synced_step_ms) == (14.9, 1.9, 1580.0, 691.0, 126.0)
+    assert _combine([a, Result("onepass", error="OutOfMemoryError: x")]).error == "OutOfMemoryError: x"

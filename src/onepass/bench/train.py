@@ -23,8 +23,12 @@ A GPU's clock under this load follows its power and temperature, so a variant's 
 depends on when in the run it is measured: on one H200, the same onepass step measured
 first in a process took 124.9 ms and third 120.2 ms, Liger's 131.3 ms second and 135.9 ms
 fourth. The run therefore heats the GPU before the first variant (``HEAT_S`` of matmuls),
-and reports the median SM clock and power that nvidia-smi read during each variant's timed
-steps, so that what differs between rows besides the code is on the table.
+measures the variants in ``ROUNDS`` rounds, in order and then in reverse order, and reports
+for each the mean of its rounds' medians: a clock that drifts down as the GPU heats (at the
+700 W cap of an H200, 1710 MHz for the first variant and 1530 for the last, one round
+after a 20 s heat) costs every variant about the same. Each row also shows the median SM
+clock and power that nvidia-smi read during its timed steps, so that what differs between
+rows besides the code is on the table.
 
 The floor: the step's matmul FLOPs at the bf16 matmul rate measured in this run, plus its
 minimum memory-bound bytes at the copy bandwidth measured in this run (see
@@ -56,6 +60,7 @@ ONEPASS_SWITCHES = {"onepass": {}, "onepass+torch.compile": {}, "onepass, SDPA a
 WARMUP_STEPS = 3
 TIMED_STEPS = 20
 HEAT_S = 20.0  # seconds of bf16 matmuls before the first variant
+ROUNDS = 2  # rounds over the variants, alternately in order and in reverse
 
 
 @dataclass
@@ -71,6 +76,27 @@ class Result:
     sm_mhz: float | None = None  # median SM clock and power during the timed steps (nvidia-smi)
     watts: float | None = None
     synced_step_ms: float | None = None  # median, a host sync after every step
+    round_step_ms: list[float] | None = None  # each round's median (step_ms is their mean)
+
+
+def _combine(rounds: list[Result]) -> Result:
+    """One variant's rounds as one row: the means of the rounds' medians and readings, the
+    highest peak; a failed round fails the row."""
+    failed = next((r for r in rounds if r.error), None)
+    if failed:
+        return failed
+    first = rounds[0]
+
+    def mean(name):
+        values = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
+        return statistics.fmean(values) if values else None
+
+    step = mean("step_ms")
+    tokens = first.tokens_per_s * first.step_ms / 1e3  # a step's tokens
+    return Result(first.variant, tokens_per_s=tokens / (step / 1e3), step_ms=step,
+                  peak_gib=max(r.peak_gib for r in rounds), loss=rounds[-1].loss, note=first.note,
+                  sm_mhz=mean("sm_mhz"), watts=mean("watts"), synced_step_ms=mean("synced_step_ms"),
+                  round_step_ms=[r.step_ms for r in rounds])
 
 
 # -------------------------------------------------------------------- the GPU's state
@@ -274,15 +300,18 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=g)
     log(f"heating the GPU for {HEAT_S:.0f} s ...")
     _heat(HEAT_S)
-    results = []
-    for variant in variants:
-        r = _measure(variant, fresh, ids, log)
+    rounds: dict[str, list[Result]] = {variant: [] for variant in variants}
+    for i in range(ROUNDS):
+        log(f"round {i + 1} of {ROUNDS}")
+        for variant in variants if i % 2 == 0 else variants[::-1]:
+            rounds[variant].append(_measure(variant, fresh, ids, log))
+    results = [_combine(rounds[variant]) for variant in variants]
+    for r in results:
         if r.tokens_per_s:
             r.frac_floor = r.tokens_per_s / floor_tps
-        results.append(r)
 
     summary = {
-        "env": env, "model": model, "batch": batch, "seq": seq, "params": n_params,
+        "env": env, "model": model, "batch": batch, "seq": seq, "params": n_params, "rounds": ROUNDS,
         "floor": {"tokens_per_s": floor_tps, "matmul_tflop": flops / 1e12, "memory_gib": bytes_ / 2**30},
         "results": [asdict(r) for r in results],
     }
@@ -322,5 +351,7 @@ def to_markdown(summary: dict) -> str:
                      f"{100 * r['frac_floor']:.0f} | {vs_t} | {vs_m} | {synced} | {gpu} | {r['note'] or ''} |")
     lines += ["", "Target (issue 6): onepass >= 1.1x Liger's tokens/s at <= 0.9x Liger's peak memory; "
               "onepass + torch.compile no slower than onepass. Tokens/s: steps back to back; \"synced\": a host "
-              "sync after every step (see the module docstring of onepass.bench.train)."]
+              f"sync after every step. Each figure is the mean of {summary.get('rounds', 1)} "
+              "rounds' medians, the variants measured in order, then in reverse (see the module docstring of "
+              "onepass.bench.train)."]
     return "\n".join(lines) + "\n"
