@@ -1,4 +1,7 @@
-"""The benchmark harness's Markdown: each row's time, its GPU-only time, and dashes for what was not measured."""
+"""The benchmark reports: each row's time, its GPU-only time, dashes for what was not measured; the train
+bench's rounds and its isolation of one variant's module patches from the next."""
+
+import sys
 
 from onepass.bench.harness import Row, to_markdown
 
@@ -45,3 +48,20 @@ def test_train_rounds_combine_into_one_row():
     assert abs(row.tokens_per_s - 8192 / 0.122) < 1e-6
     assert (row.peak_gib, row.loss, row.sm_mhz, row.watts, row.synced_step_ms) == (14.9, 1.9, 1580.0, 691.0, 126.0)
     assert _combine([a, Result("onepass", error="OutOfMemoryError: x")]).error == "OutOfMemoryError: x"
+
+
+def test_names_a_variant_rebinds_in_a_module_are_put_back():
+    import types
+
+    from onepass.bench.train import _module_names_restored
+
+    module = types.ModuleType("onepass_test_module")
+    module.LlamaMLP = "original"
+    sys.modules[module.__name__] = module
+    try:
+        with _module_names_restored(module.__name__):
+            module.LlamaMLP = "patched"
+            module.added = 1
+        assert module.LlamaMLP == "original" and not hasattr(module, "added")
+    finally:
+        del sys.modules[module.__name__]
