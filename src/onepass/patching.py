@@ -57,8 +57,8 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     Switches: ``norm`` (norms, and residual add + norm fused), ``activation`` (the MLP's
     gated activation or bias + GELU), ``rope``, ``attention`` (the onepass attention
     kernel through transformers' registry) and ``loss`` (LM head + cross-entropy without
-    materialising logits, when labels are given in training; such a forward also builds no
-    KV cache unless called with ``use_cache=True``, outside torch.compile). What stays
+    materialising logits, when labels are given in training; such a forward also fills no
+    KV cache unless called with ``use_cache=True``, and runs without a host sync). What stays
     unfused, and why, is warned about and listed by ``optimize_report(model)``.
 
     ``recompute`` trades a little compute for memory in training: the outputs of the norms
