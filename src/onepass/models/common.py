@@ -308,14 +308,15 @@ def recompute_status(recomputed: list[tuple[str, int, str]]) -> str:
             f"a token a layer less activation memory, for {cost} forward a layer in backward")
 
 
-def gated_recompute_status(switches: dict[str, bool], status: dict[str, str], hidden_size: int,
+def gated_recompute_status(switches: dict[str, bool], status: dict[str, str], layers, hidden_size: int,
                            intermediate_size: int) -> str:
     """The recompute report line of the gated-MLP families (Llama, Gemma): the two norm
-    outputs when the layer forward is fused, the gated product when the MLP is."""
+    outputs when the layer forward is fused; the gated product when the MLP is fused and
+    some layer's MLP runs as modules (an MLP node never keeps the product, recompute or not)."""
     recomputed = []
     if switches["norm"]:
         recomputed.append(("the norm outputs feeding q/k/v and gate/up", 2 * hidden_size, "2 rms_norm"))
-    if status.get("activation", "").startswith(FUSED):
+    if status.get("activation", "").startswith(FUSED) and not all(projections.mlp_node(l.mlp) for l in layers):
         recomputed.append(("the MLP's act(gate) * up", intermediate_size, "1 gated activation"))
     return recompute_status(recomputed)
 
@@ -343,8 +344,7 @@ def gated_mlp_forward(act: int, recompute: bool) -> Callable:
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        projs = (self.gate_proj, self.up_proj, self.down_proj)
-        if projections.fusable(x, projs) and all(p.bias is None for p in projs):
+        if projections.mlp_node(self) and projections.nodes_run(x):
             return projections.gated_mlp(self, x, act)
         gate, up = projections.linears(x, (self.gate_proj, self.up_proj))
         product = activation.gated(gate, up, act)

@@ -48,6 +48,6 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
     if switches["loss"]:
         status["loss"] = common.patch_lm_loss(patches, model)
     if recompute:
-        status["recompute"] = common.gated_recompute_status(switches, status, config.hidden_size,
+        status["recompute"] = common.gated_recompute_status(switches, status, layers, config.hidden_size,
                                                             config.intermediate_size)
     return status

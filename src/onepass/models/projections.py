@@ -32,13 +32,27 @@ from onepass.ops import activation
 from onepass.ops._launch import use_triton
 
 
+def plain(modules: tuple[nn.Module, ...]) -> bool:
+    """Whether ``modules`` are plain linears: no module hooks or replaced forwards to honour."""
+    return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+               and "forward" not in m.__dict__ for m in modules)
+
+
+def nodes_run(x: Tensor) -> bool:
+    """Whether onepass's nodes run for input ``x``: the Triton path (not the reference), not
+    under torch.compile."""
+    return use_triton(x) and not torch.compiler.is_compiling()
+
+
 def fusable(x: Tensor, modules: tuple[nn.Module, ...]) -> bool:
-    """Whether ``modules`` are plain linears that run here as onepass's nodes: the Triton
-    path (not the reference), not under torch.compile, no module hooks or replaced forwards
-    to honour."""
-    return use_triton(x) and not torch.compiler.is_compiling() and all(
-        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__
-        for m in modules)
+    """Whether ``modules`` run here as one onepass node: plain linears where nodes run."""
+    return nodes_run(x) and plain(modules)
+
+
+def mlp_node(mlp: nn.Module) -> bool:
+    """Whether a gated MLP's projections suit ``gated_mlp``: plain linears without biases."""
+    projs = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return plain(projs) and all(p.bias is None for p in projs)
 
 
 def _compute_dtype(x: Tensor, params: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
@@ -122,8 +136,8 @@ class _GatedMLP(torch.autograd.Function):
 
 
 def gated_mlp(mlp: nn.Module, x: Tensor, act: int) -> Tensor:
-    """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, for a fusable MLP
-    (see ``fusable``) with no biases."""
+    """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, for an MLP that
+    suits it (``mlp_node``) where nodes run (``nodes_run``)."""
     x, (w_gate, w_up, w_down) = _compute_dtype(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
                                                    mlp.down_proj.weight])
     with torch.autocast(x.device.type, enabled=False):
