@@ -15,7 +15,8 @@ and up only: its backward rebuilds the product ``act(gate) * up`` (the down proj
 weight gradient needs it) in the same kernel pass that computes d_gate and d_up, at the
 cost of one write, where recomputing it separately reads gate and up again.
 
-Both apply to plain ``nn.Linear`` projections without hooks (``fusable``); anything else
+Both apply to plain ``nn.Linear`` projections without hooks (``plain``; the MLP node also
+without biases, ``mlp_node``) where the Triton path runs (``nodes_run``); anything else
 (a PEFT LoRA layer, a quantised linear) is called as a module, as Hugging Face does. So
 is everything under torch.compile, which partitions the graph itself and would see these
 nodes as opaque (not measured with them: the compiled step's slowdown first blamed on
