@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from onepass import nn as onn
 from onepass import ops
-from onepass.models import projections
+from onepass.models import projections, tied_embedding
 from onepass.ops import activation
 
 FUSED, UNFUSED = "fused", "unfused"
@@ -507,6 +507,8 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     """With labels in training: the base model, then the LM head and the shifted
     cross-entropy in one ``linear_cross_entropy`` (logits never materialised; the output's
     ``logits`` is None). Otherwise (inference, generate, no labels) the original forward.
+    A head weight tied to the input embedding gets one gradient, the embedding's token rows
+    added into the head's (``tied_embedding``), not two [V, H] gradients summed by autograd.
 
     No KV cache is filled unless asked for (``use_cache=True`` or ``past_key_values``), yet
     the base model gets an (unfilled) cache: without one, HF checks the position ids for
@@ -531,12 +533,13 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
             kwargs["use_cache"] = False
         elif unfilled:
             kwargs["past_key_values"] = unfilled_cache(config=self.config)
+        input_ids, head_weight = tied_embedding.tie(self, input_ids, kwargs)
         out = self.base_model(input_ids, **kwargs)
         hidden = out[0]
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         loss = ops.linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shift_labels.reshape(-1).to(hidden.device),
+            hidden.reshape(-1, hidden.shape[-1]), head_weight, shift_labels.reshape(-1).to(hidden.device),
             bias=self.lm_head.bias, ignore_index=ignore_index,
             reduction="mean" if num_items is None else "sum", softcap=softcap,
         )
@@ -560,4 +563,8 @@ def patch_lm_loss(patches: Patches, model: nn.Module, softcap: float | None = No
     if getattr(ops, "linear_cross_entropy", None) is None:
         return f"{UNFUSED}: onepass.ops.linear_cross_entropy is not in this build"
     patches.set_forward(model, causal_lm_forward(model.forward, softcap))
-    return f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"
+    status = f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"
+    embed = model.get_input_embeddings()
+    if embed is not None and getattr(embed, "weight", None) is head.weight:
+        status += "; the tied input embedding's token rows are added into the head's weight gradient"
+    return status
