@@ -58,7 +58,8 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     gated activation or bias + GELU), ``rope``, ``attention`` (the onepass attention
     kernel through transformers' registry) and ``loss`` (LM head + cross-entropy without
     materialising logits, when labels are given in training; such a forward also fills no
-    KV cache unless called with ``use_cache=True``, and runs without a host sync). What stays
+    KV cache unless called with ``use_cache=True``, runs without a host sync, and gives a
+    weight tied to the input embedding one gradient instead of two summed). What stays
     unfused, and why, is warned about and listed by ``optimize_report(model)``.
 
     ``recompute`` trades a little compute for memory in training: the outputs of the norms
