@@ -33,10 +33,15 @@ from onepass.ops import activation
 from onepass.ops._launch import use_triton
 
 
+def unhooked(module: nn.Module) -> bool:
+    """Whether ``module`` has no module hooks or replaced forward to honour, so that calling
+    its computation directly, not the module, changes nothing."""
+    return not module._forward_hooks and not module._forward_pre_hooks and "forward" not in module.__dict__
+
+
 def plain(modules: tuple[nn.Module, ...]) -> bool:
     """Whether ``modules`` are plain linears: no module hooks or replaced forwards to honour."""
-    return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
-               and "forward" not in m.__dict__ for m in modules)
+    return all(type(m) is nn.Linear and unhooked(m) for m in modules)
 
 
 def nodes_run(x: Tensor) -> bool:

@@ -84,9 +84,8 @@ def _fits(embed: nn.Module | None, weight: Tensor) -> bool:
         return False
     if type(embed) is not nn.Embedding and not (type(embed).__name__ in _SCALED and hasattr(embed, "embed_scale")):
         return False
-    return (not embed._forward_hooks and not embed._forward_pre_hooks and "forward" not in embed.__dict__
-            and embed.max_norm is None and not embed.scale_grad_by_freq and not embed.sparse
-            and type(weight.data) is torch.Tensor)
+    return (projections.unhooked(embed) and embed.max_norm is None and not embed.scale_grad_by_freq
+            and not embed.sparse and type(weight.data) is torch.Tensor)
 
 
 def tie(model: nn.Module, input_ids: Tensor | None, kwargs: dict) -> tuple[Tensor | None, Tensor]:
