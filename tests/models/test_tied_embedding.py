@@ -90,3 +90,33 @@ def test_autograd_grad_of_the_tied_weight(device):
     (g,) = torch.autograd.grad(model(ids, labels=ids).loss, [model.lm_head.weight])
     (r,) = torch.autograd.grad(ref(ids, labels=ids).loss, [ref.lm_head.weight])
     assert rel_error(g, r) <= TOLERANCE[torch.float32] * 20
+
+
+def test_torch_compile_traces_the_one_gradient(device):
+    """The tied node is plain PyTorch: traced with fullgraph, the step still builds no dense
+    embedding gradient, and the gradients match (aot_eager, so the backward's aten ops are
+    there to count; the GPU bench runs inductor)."""
+    model, ref = _pair(_tied_llama, device)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = _ids(device)
+    assert _backward(compiled, ids) == _backward(ref, ids) - 1
+    _assert_grads_match(model, ref)
+
+
+@pytest.mark.parametrize("uses", ["both", "embeddings", "head"])
+def test_tied_node_gradient_with_either_use_alone(uses, device):
+    """The node's one gradient equals autograd's sum of F.embedding's and the head's, also when
+    only one of its two outputs reaches the loss (the other's gradient is None)."""
+    from onepass.models.tied_embedding import _TiedEmbedding
+
+    weight = torch.randn(10, 4, device=device, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[1, 2, 2], [0, 9, 1]], device=device)
+    x = torch.randn(3, 4, device=device, dtype=torch.float64)
+
+    def loss(embeds, head):
+        terms = {"embeddings": (embeds ** 2).sum(), "head": (x @ head.t()).sin().sum()}
+        return sum(terms.values()) if uses == "both" else terms[uses]
+
+    (got,) = torch.autograd.grad(loss(*_TiedEmbedding.apply(weight, ids, 2)), [weight])
+    (want,) = torch.autograd.grad(loss(torch.nn.functional.embedding(ids, weight, 2), weight), [weight])
+    assert torch.allclose(got, want)
