@@ -10,7 +10,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_LAZY = {"ops": "onepass.ops", "reference": "onepass.reference", "analyze": "onepass.analyze"}
+_LAZY = {"ops": "onepass.ops", "reference": "onepass.reference", "analyze": "onepass.analyze", "optim": "onepass.optim"}
 # public functions -> their module (onepass.patching: a module named optimize would shadow the function)
 _LAZY_FUNCTIONS = dict.fromkeys(("optimize", "undo", "optimize_report", "reference_mode"), "onepass.patching")
 

@@ -6,10 +6,11 @@ Each variant trains a fresh model (random weights, bf16, ``AdamW(fused=True)``) 
 same random tokens with labels: eager Hugging Face (sdpa attention), ``torch.compile`` of
 it, Liger-Kernel's patch (when importable), ``onepass.optimize``, onepass +
 ``torch.compile``, and onepass with SDPA attention or without recomputation (the
-activations it rebuilds in backward kept instead). After warm-up (compilation,
-autotuning) it times each step with CUDA events and reports the median tokens/s and the
-peak memory allocated during the timed steps (weights, gradients and optimizer state
-included, as ``max_memory_allocated``).
+activations it rebuilds in backward kept instead); a last row runs ``onepass.optimize``
+with ``onepass.optim.AdamW`` (the same update, through ``onepass.ops.adamw_step``) instead
+of torch's fused AdamW. After warm-up (compilation, autotuning) it times each step with
+CUDA events and reports the median tokens/s and the peak memory allocated during the
+timed steps (weights, gradients and optimizer state included, as ``max_memory_allocated``).
 
 Steps are timed twice. First back to back, as a trainer runs them (Hugging Face's Trainer
 keeps the loss on the device between logging steps): the host queues each step while the
@@ -52,11 +53,11 @@ from typing import Callable
 import torch
 
 VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile", "onepass, SDPA attention",
-            "onepass, no recompute")
+            "onepass, no recompute", "onepass + onepass AdamW")
 # optimize() switches of the onepass variants ("no recompute": the activations that onepass
 # recomputes in backward kept instead, to show what recomputing costs and saves)
 ONEPASS_SWITCHES = {"onepass": {}, "onepass+torch.compile": {}, "onepass, SDPA attention": {"attention": False},
-                    "onepass, no recompute": {"recompute": False}}
+                    "onepass, no recompute": {"recompute": False}, "onepass + onepass AdamW": {}}
 
 # Timed steps after warm-up (the compiled variants compile during warm-up).
 WARMUP_STEPS = 3
@@ -205,6 +206,16 @@ def _prepare(variant: str, model: torch.nn.Module):
     return torch.compile(model) if variant == "onepass+torch.compile" else model
 
 
+def _optimizer(variant: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """torch's fused AdamW, the step every variant shares; onepass's AdamW (the same update)
+    in its own row."""
+    if variant.endswith("onepass AdamW"):
+        from onepass.optim import AdamW
+
+        return AdamW(model.parameters(), lr=1e-4)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
 def _step_times(step: Callable[[], torch.Tensor], synced: bool) -> list[float]:
     """Milliseconds of ``TIMED_STEPS`` steps, each between CUDA events around it; with
     ``synced`` the host waits for each step before queueing the next."""
@@ -248,7 +259,7 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
         if variant == "liger":
             stack.enter_context(_module_names_restored(type(model).__module__))
         forward = _prepare(variant, model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        opt = _optimizer(variant, model)
 
         def step():
             loss = forward(input_ids=ids, labels=ids).loss
@@ -351,7 +362,7 @@ def to_markdown(summary: dict) -> str:
     by_name = {r["variant"]: r for r in summary["results"]}
     liger = by_name.get("liger", {})
     lines = [
-        f"# train step: {summary['model']}, batch {summary['batch']} x {summary['seq']}, bf16, AdamW(fused=True)",
+        f"# train step: {summary['model']}, batch {summary['batch']} x {summary['seq']}, bf16, torch's AdamW(fused=True) unless the row says otherwise",
         "", f"{env['gpu']}; torch {env['torch']}, triton {env['triton']}, {env['date']}; copy bandwidth "
         f"{env['copy_GBps']:.0f} GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s (measured in this run).",
         "", f"Command: `{env['command']}`", "",

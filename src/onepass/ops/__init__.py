@@ -1,6 +1,7 @@
 """Fused Triton kernels, forward and backward, each registered with torch.library."""
 
 from onepass.ops.activation import bias_gelu, geglu, swiglu
+from onepass.ops.adamw import adamw_step
 from onepass.ops.attention import attention
 from onepass.ops.cross_entropy import cross_entropy
 from onepass.ops.linear_cross_entropy import linear_cross_entropy
@@ -10,6 +11,6 @@ from onepass.ops.rope import rope
 from onepass.ops.softmax import softmax
 
 __all__ = [
-    "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention", "geglu",
+    "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention", "geglu",
     "layer_norm", "linear_cross_entropy", "rms_norm", "rope", "softmax", "swiglu",
 ]

@@ -1,0 +1,63 @@
+"""``onepass.optim.AdamW``: torch.optim.AdamW's update through ``onepass.ops.adamw_step``.
+
+A drop-in for ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``: the same math,
+state (``step``, ``exp_avg``, ``exp_avg_sq``, in each parameter's dtype) and state_dict,
+so a checkpoint of either loads into the other. On a GPU each step is a few launches
+(one per parameter size) at close to the copy bandwidth; see ``onepass.ops.adamw``.
+AMSGrad, ``maximize`` and sparse gradients are not supported.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from onepass.ops.adamw import adamw_step
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        if not 0.0 <= lr:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if not 0.0 <= eps:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for option in ("amsgrad", "maximize"):
+                if group.get(option):
+                    raise ValueError(f"onepass.optim.AdamW does not implement {option}=True (a state_dict of "
+                                     "torch.optim.AdamW with it was loaded?)")
+            # parameters at one step count share a launch; a parameter whose gradient was
+            # None at some step (so skipped, as torch does) has a count of its own
+            by_step = defaultdict(lambda: ([], [], [], []))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError("onepass.optim.AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                for column, t in zip(by_step[int(state["step"])], (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                    column.append(t)
+            beta1, beta2 = group["betas"]
+            for step, columns in by_step.items():
+                adamw_step(*columns, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=step)
+        return loss

@@ -1,0 +1,151 @@
+"""adamw_step and onepass.optim.AdamW: the kernel against the reference update (every dtype),
+the optimizer against torch.optim.AdamW (param groups, a skipped gradient, state_dict both
+ways), unaligned and non-contiguous tensors, bad inputs."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from onepass import ops, reference
+from onepass.optim import AdamW
+
+SHAPES = [(37, 5), (37, 5), (1,), (1030,), (3, 7, 2)]  # two of one size share a launch; 1030 > one block
+OPTIONS = {"lr": 0.01, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.1}
+
+
+def _quads(shapes, dtype, device):
+    params = [torch.randn(s, device=device).to(dtype) for s in shapes]
+    grads = [torch.randn_like(p) for p in params]
+    exp_avgs = [0.1 * torch.randn_like(p) for p in params]
+    exp_avg_sqs = [torch.rand_like(p) for p in params]
+    return params, grads, exp_avgs, exp_avg_sqs
+
+
+def _assert_equal_lists(got, want, dtype, what):
+    # fp32 math both ways; the kernel may contract multiply-adds: one rounding apart at most
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.allclose(g.float(), w.float(), rtol=tol, atol=tol), f"{what}[{i}]"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernel_matches_reference(dtype, device):
+    quads = _quads(SHAPES, dtype, device)
+    expected = [[t.clone() for t in ts] for ts in quads]
+    ops.adamw_step(*quads, **OPTIONS, step=3)
+    reference.adamw_step(*expected, *OPTIONS.values(), 3)
+    for got, want, name in zip(quads, expected, ("params", "grads", "exp_avgs", "exp_avg_sqs")):
+        _assert_equal_lists(got, want, dtype, name)
+
+
+def test_unaligned_and_non_contiguous_tensors(device):
+    """A view 1 element into its storage (not 16-byte aligned: no vector hint) and a transposed one."""
+    storage = [torch.randn(1 + 6 * 40, device=device) for _ in range(4)]
+    unaligned = [s[1:].view(6, 40) for s in storage]
+    transposed = [torch.randn(40, 6, device=device).t() for _ in range(4)]
+    quads = [[u, t] for u, t in zip(unaligned, transposed)]
+    quads[3] = [t.abs() if t.is_contiguous() else t.abs().t().contiguous().t() for t in quads[3]]  # v >= 0
+    expected = [[t.clone() for t in ts] for ts in quads]
+    ops.adamw_step(*quads, **OPTIONS, step=1)
+    reference.adamw_step(*expected, *OPTIONS.values(), 1)
+    for got, want in zip(quads, expected):
+        _assert_equal_lists(got, want, torch.float32, "tensors")
+
+
+def _optimizers(params, device, **kwargs):
+    ours = [p.detach().clone().requires_grad_() for p in params]
+    theirs = [p.detach().clone().requires_grad_() for p in params]
+
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05, "weight_decay": 0.0}]
+
+    return (ours, AdamW(groups(ours), lr=0.01, weight_decay=0.1, **kwargs),
+            theirs, torch.optim.AdamW(groups(theirs), lr=0.01, weight_decay=0.1, foreach=False, **kwargs))
+
+
+def _steps(pairs, n, skip=None):
+    """n steps of each (params, optimizer) pair with the same gradients; the parameter at
+    index ``skip`` gets no gradient at the second step."""
+    for it in range(n):
+        grads = [torch.randn_like(p) for p in pairs[0][0]]
+        for params, opt in pairs:
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if (it == 1 and i == skip) else g.clone()
+            opt.step()
+
+
+def test_optimizer_matches_torch_adamw(device):
+    ours, opt, theirs, torch_opt = _optimizers([torch.randn(s, device=device) for s in SHAPES], device,
+                                               betas=(0.8, 0.99))
+    _steps([(ours, opt), (theirs, torch_opt)], 3, skip=2)
+    assert opt.state[ours[2]]["step"].item() == 2 and opt.state[ours[0]]["step"].item() == 3
+    _assert_equal_lists(ours, theirs, torch.float32, "params")
+
+
+def test_state_dict_loads_both_ways(device):
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    ours, opt, theirs, torch_opt = _optimizers(params, device)
+    _steps([(theirs, torch_opt)], 2)
+    for p, q in zip(ours, theirs):
+        p.data.copy_(q)
+    # deep copies, as a checkpoint is: a live state_dict shares its tensors with the optimizer
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # torch's checkpoint continues in onepass
+    _steps([(ours, opt), (theirs, torch_opt)], 2)
+    _assert_equal_lists(ours, theirs, torch.float32, "params after torch's state")
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # and onepass's in torch
+    _steps([(ours, opt), (theirs, torch_opt)], 1)
+    _assert_equal_lists(ours, theirs, torch.float32, "params after onepass's state")
+
+
+def _bad(device, **change):
+    quads = list(_quads([(4, 3)], torch.float32, device))
+    kwargs = dict(OPTIONS, step=1)
+    for key in ("params", "grads", "exp_avgs", "exp_avg_sqs"):
+        if key in change:
+            quads[("params", "grads", "exp_avgs", "exp_avg_sqs").index(key)] = change.pop(key)
+    kwargs.update(change)
+    return lambda: ops.adamw_step(*quads, **kwargs)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    ({"grads": []}, ValueError, "one length"),
+    ({"exp_avgs": [torch.zeros(3, 4)]}, ValueError, "exp_avgs[0] must match params[0]"),
+    ({"grads": [torch.zeros(4, 3).to_sparse()]}, TypeError, "sparse"),
+    ({"exp_avg_sqs": [torch.zeros(4, 3, dtype=torch.int32)]}, TypeError, "exp_avg_sqs[0] must be float32"),
+    ({"lr": -1.0}, ValueError, "lr must be >= 0"),
+    ({"beta2": 1.0}, ValueError, "beta2 must be in [0, 1)"),
+    ({"weight_decay": -0.1}, ValueError, "weight_decay"),
+    ({"step": 0}, ValueError, "step must be >= 1"),
+])
+def test_bad_input_raises(change, error, words, device):
+    call = _bad(device, **change)
+    with pytest.raises(error, match=re.escape(words)):
+        call()
+
+
+def test_optimizer_refuses_torch_options_it_does_not_implement(device):
+    p = torch.zeros(3, device=device, requires_grad=True)
+    opt = AdamW([p])
+    state = torch.optim.AdamW([p], amsgrad=True).state_dict()
+    opt.load_state_dict(state)
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+    with pytest.raises(ValueError, match="betas"):
+        AdamW([p], betas=(0.9, 1.0))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_llama_sized_tensors():
+    """Tensors of Llama-3.2-1B's sizes (one of each), bf16: against the reference update."""
+    shapes = [(2048, 2048), (512, 2048), (8192, 2048), (2048,), (1000, 2048)]
+    quads = _quads(shapes, torch.bfloat16, "cuda")
+    expected = [[t.clone() for t in ts] for ts in quads]
+    ops.adamw_step(*quads, **OPTIONS, step=7)
+    reference.adamw_step(*expected, *OPTIONS.values(), 7)
+    for got, want, name in zip(quads, expected, ("params", "grads", "exp_avgs", "exp_avg_sqs")):
+        _assert_equal_lists(got, want, torch.bfloat16, name)
