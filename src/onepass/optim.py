@@ -9,24 +9,15 @@ AMSGrad, ``maximize`` and sparse gradients are not supported.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
-from onepass.ops.adamw import adamw_step
+from onepass.ops.adamw import adamw_step, check_hyperparameters, columns_by
 
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2):
-        if not 0.0 <= lr:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_hyperparameters(lr, *betas, eps, weight_decay)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()
@@ -42,7 +33,7 @@ class AdamW(torch.optim.Optimizer):
                                      "torch.optim.AdamW with it was loaded?)")
             # parameters at one step count share a launch; a parameter whose gradient was
             # None at some step (so skipped, as torch does) has a count of its own
-            by_step = defaultdict(lambda: ([], [], [], []))
+            quads = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -53,11 +44,12 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":  # fused/capturable torch AdamW's: read once, not each step
+                    state["step"] = state["step"].cpu()
                 state["step"] += 1
-                for column, t in zip(by_step[int(state["step"])], (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
-                    column.append(t)
+                quads.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
             beta1, beta2 = group["betas"]
-            for step, columns in by_step.items():
+            for step, columns in columns_by(lambda quad: int(self.state[quad[0]]["step"]), quads).items():
                 adamw_step(*columns, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=step)
         return loss

@@ -103,6 +103,27 @@ def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay,
     return None
 
 
+def columns_by(key, quads) -> dict:
+    """{key(quad): (params, grads, exp_avgs, exp_avg_sqs)} of the (p, g, m, v) quadruples."""
+    columns = defaultdict(lambda: ([], [], [], []))
+    for quad in quads:
+        for column, t in zip(columns[key(quad)], quad):
+            column.append(t)
+    return columns
+
+
+def check_hyperparameters(lr, beta1, beta2, eps, weight_decay) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta}")
+    if not 0.0 <= eps:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
 def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step):
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if len({len(v) for v in lists.values()}) > 1:
@@ -120,15 +141,7 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_d
             if (t.shape, t.dtype, t.device) != (quad[0].shape, quad[0].dtype, quad[0].device):
                 raise ValueError(f"{name}[{i}] must match params[{i}] ({tuple(quad[0].shape)} {quad[0].dtype} on "
                                  f"{quad[0].device}), got {tuple(t.shape)} {t.dtype} on {t.device}")
-    if not 0.0 <= lr:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    for name, beta in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta}")
-    if not 0.0 <= eps:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    check_hyperparameters(lr, beta1, beta2, eps, weight_decay)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count including this step), got {step}")
 
@@ -146,11 +159,7 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     lr, beta1, beta2, eps, weight_decay, step = (float(lr), float(beta1), float(beta2), float(eps),
                                                  float(weight_decay), int(step))
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step)
-    by_device = defaultdict(lambda: ([], [], [], []))
-    for quad in zip(params, grads, exp_avgs, exp_avg_sqs):
-        for column, t in zip(by_device[quad[0].device], quad):
-            column.append(t)
-    for columns in by_device.values():
+    for columns in columns_by(lambda quad: quad[0].device, zip(params, grads, exp_avgs, exp_avg_sqs)).values():
         if use_triton(columns[0][0]):
             _adamw_step(*columns, lr, beta1, beta2, eps, weight_decay, step)
         else:
