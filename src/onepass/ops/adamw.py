@@ -21,7 +21,6 @@ the hint 5.46 ms at 1024 values a program and 17.8 ms at 2048.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -31,6 +30,7 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._launch import FLOAT_DTYPES, cdiv, launch, use_triton
+from onepass.reference.optim import bias_corrections
 
 # Launch tunables (H200, bf16, see the module docstring): values a program, warps.
 BLOCK = 1024
@@ -68,7 +68,7 @@ def _launch_groups(quads: list[tuple[Tensor, Tensor, Tensor, Tensor]], scalars: 
     for quad in quads:
         aligned = all(t.data_ptr() % ALIGNMENT == 0 for t in quad)
         groups[(quad[0].dtype, quad[0].numel(), aligned)].append(quad)
-    for (dtype, numel, aligned), members in groups.items():
+    for (_, numel, aligned), members in groups.items():
         base = members[0][0]
         size = base.element_size()
         start = base.data_ptr()
@@ -81,7 +81,7 @@ def _launch_groups(quads: list[tuple[Tensor, Tensor, Tensor, Tensor]], scalars: 
 
 
 def _adamw_launch(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step):
-    scalars = (lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step))
+    scalars = (lr, beta1, beta2, eps, weight_decay, *bias_corrections(lr, beta1, beta2, step))
     quads, rest = [], []
     for quad in zip(params, grads, exp_avgs, exp_avg_sqs):
         if quad[0].numel() == 0:
