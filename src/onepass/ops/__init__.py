@@ -5,6 +5,7 @@ from onepass.ops.adamw import adamw_step
 from onepass.ops.attention import attention
 from onepass.ops.cross_entropy import cross_entropy
 from onepass.ops.linear_cross_entropy import linear_cross_entropy
+from onepass.ops.lora import lora_linear
 from onepass.ops.decode_attention import decode_attention
 from onepass.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.ops.rope import rope
@@ -12,5 +13,5 @@ from onepass.ops.softmax import softmax
 
 __all__ = [
     "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention", "geglu",
-    "layer_norm", "linear_cross_entropy", "rms_norm", "rope", "softmax", "swiglu",
+    "layer_norm", "linear_cross_entropy", "lora_linear", "rms_norm", "rope", "softmax", "swiglu",
 ]

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from onepass import reference
+from onepass.ops._gemm import accumulate_mm
 from onepass.ops._launch import as_rows, cdiv, check_float, check_same_device, flat, use_triton
 from onepass.ops.cross_entropy import (
     ce_rows,
@@ -68,17 +69,6 @@ def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, chunk_size: int | None =
     n_chunks = max(1, cdiv(n_tokens, target))
     even = cdiv(cdiv(n_tokens, n_chunks), CHUNK_MULTIPLE) * CHUNK_MULTIPLE
     return max(1, min(even, n_tokens))
-
-
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, beta: int) -> None:
-    """acc = beta * acc + a @ b in acc's dtype (beta = 0: acc is not read, so no memset first)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b, beta=beta)
-    elif acc.is_cuda:
-        # 16-bit operands, fp32 accumulator and output
-        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)  # the CPU has no mixed-dtype GEMM
 
 
 def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, label_smoothing, z_loss, softcap,
@@ -118,7 +108,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
         if need_dh:
             torch.mm(z, weight, out=d_hidden[start:end])
         if need_dw:
-            _accumulate_mm(d_weight, z.t(), h_c, beta=int(start > 0))
+            accumulate_mm(d_weight, z.t(), h_c, beta=int(start > 0))
         if need_db:
             d_bias += z.sum(0, dtype=torch.float32)
     buf = z = None  # the logits buffer is not held through the cast of the dW accumulator below

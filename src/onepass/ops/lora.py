@@ -1,0 +1,180 @@
+"""lora_linear: a linear layer with a LoRA adapter, as one node whose only kernels are GEMMs.
+
+    y = x W^T + b + s (x_a A^T) B^T      x [*, K], W [N, K], b [N], A [r, K], B [N, r],
+                                          x_a = dropout(x) (x itself without dropout)
+
+PEFT's ``lora.Linear`` runs the base GEMM, the adapter's two GEMMs, then ``* s`` and ``+``
+as separate kernels: with T tokens, besides the GEMMs' operand reads, [T, N] crosses HBM 7
+times in forward (the base output's write, B's output write, the scale's read and write,
+the add's two reads and its write); backward adds a scale of dy ([T, N] read and write) and
+the sum of the two input gradients ([T, K]: the adapter's write, two reads, one write).
+
+Here the scale is folded into a copy of B (s B: [N, r], tiny) and both sums into cuBLAS's
+epilogue (``addmm_``, beta = 1: the output's current values are added in fp32, rounded once):
+
+    forward   t = x_a A^T                   [T, r]   reads x_a
+              y = t (s B)^T (+ b)           [T, N]   written once (a rank-r GEMM: memory-bound)
+              y += x W^T                             the base GEMM reads y in its epilogue
+    backward  dt = dy (s B)                 [T, r]   reads dy
+              dx = dt A;  dx += dy W                 (with dropout, dx_a = dt A apart)
+              dA = dt^T x_a,  dB = s dy^T t,  dW = dy^T x,  db = sum over T of dy
+
+so [T, N] crosses HBM 3 times in forward (write, epilogue read, write) and [T, K] 3 times in
+backward beyond the GEMMs' operand reads. The rank-r GEMM goes first, so the epilogue that
+reads y is the big GEMM's, which overlaps it with its math (the other order reads and writes
+y again after the big GEMM, in a GEMM with nothing to hide it under).
+
+The adapter runs in x's dtype with fp32 accumulation (A and B cast to it: [r, K] and [N, r]
+copies); its gradients are written in A's and B's own dtypes by the GEMMs themselves (fp32
+adapters on a bf16 base are PEFT's default). PEFT instead upcasts x for the adapter's path
+when the dtypes differ; the difference is t rounded to x's dtype. Dropout on the adapter's
+input is F.dropout (the random stream PEFT's ``lora_dropout`` draws from), applied outside
+the node: x_a is then a tensor of its own, and autograd adds its gradient to x's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._gemm import accumulate_mm
+from onepass.ops._launch import as_rows, check_float, check_probability, check_same_device, use_triton
+
+
+def _mm_as(dtype: torch.dtype, a: Tensor, b: Tensor) -> Tensor:
+    """a @ b written in ``dtype`` by the GEMM itself."""
+    return accumulate_mm(torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device), a, b, beta=0)
+
+
+def _scaled_b(lora_b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+    return (lora_b * scaling).to(dtype)  # [N, r]: scaled in B's dtype, rounded once
+
+
+@torch.library.custom_op("onepass::lora_linear_fwd", mutates_args=())
+def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
+              lora_x: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(y, t): the output and the adapter's rank-r activation t = x_a A^T (kept for dB)."""
+    x2 = as_rows(x)
+    t = as_rows(lora_x if lora_x is not None else x) @ lora_a.to(x.dtype).t()
+    sb_t = _scaled_b(lora_b, scaling, x.dtype).t()
+    y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if bias is not None:
+        torch.addmm(bias, t, sb_t, out=y)
+    else:
+        torch.mm(t, sb_t, out=y)
+    y.addmm_(x2, weight.t())
+    return y.view(*x.shape[:-1], weight.shape[0]), t
+
+
+@_lora_fwd.register_fake
+def _(x, weight, bias, lora_a, lora_b, scaling, lora_x):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_a.shape[0])
+
+
+@torch.library.custom_op("onepass::lora_linear_bwd", mutates_args=())
+def _lora_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, t: Tensor, scaling: float,
+              lora_x: Optional[Tensor], need_dx: bool, need_dw: bool, need_dbias: bool, need_da: bool, need_db: bool,
+              need_dx_a: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed."""
+    dy2, x2 = as_rows(dy), as_rows(x)
+    x_a2 = as_rows(lora_x) if lora_x is not None else x2
+    a = lora_a.to(dy.dtype)
+    dt = dy2 @ _scaled_b(lora_b, scaling, dy.dtype) if need_da or need_dx_a or (need_dx and lora_x is None) else None
+    dx = dy.new_empty(0)
+    if need_dx:
+        if lora_x is None:
+            dx = dt @ a
+            dx.addmm_(dy2, weight)
+        else:
+            dx = dy2 @ weight
+        dx = dx.view(x.shape)
+    dx_a = (dt @ a).view(lora_x.shape) if need_dx_a else dy.new_empty(0)
+    da = _mm_as(lora_a.dtype, dt.t(), x_a2) if need_da else lora_a.new_empty(0)
+    db = _mm_as(lora_b.dtype, dy2.t(), t).mul_(scaling) if need_db else lora_b.new_empty(0)
+    dw = dy2.t() @ x2 if need_dw else dy.new_empty(0)
+    dbias = dy2.sum(0) if need_dbias else dy.new_empty(0)
+    return dx, dw, dbias, da, db, dx_a
+
+
+@_lora_bwd.register_fake
+def _(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw, need_dbias, need_da, need_db, need_dx_a):
+    def grad(need, like):
+        return like.new_empty(like.shape if need else 0)
+    return (grad(need_dx, x), grad(need_dw, weight), dy.new_empty(weight.shape[0] if need_dbias else 0),
+            grad(need_da, lora_a), grad(need_db, lora_b), grad(need_dx_a, lora_x if lora_x is not None else x))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, lora_a, lora_b, scaling, lora_x = inputs
+    _, t = output
+    ctx.mark_non_differentiable(t)
+    ctx.save_for_backward(x, weight, lora_a, lora_b, t, lora_x)
+    ctx.scaling, ctx.has_bias = scaling, bias is not None
+
+
+def _backward(ctx, dy, _dt):
+    x, weight, lora_a, lora_b, t, lora_x = ctx.saved_tensors
+    n = ctx.needs_input_grad  # x, weight, bias, lora_a, lora_b, scaling, lora_x
+    needs = (n[0], n[1], n[2] and ctx.has_bias, n[3], n[4], n[6] and lora_x is not None)
+    grads = _lora_bwd(dy, x, weight, lora_a, lora_b, t, ctx.scaling, lora_x, *needs)
+    dx, dw, dbias, da, db, dx_a = (g if need else None for g, need in zip(grads, needs))
+    return dx, dw, dbias, da, db, None, dx_a
+
+
+_lora_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
+    check_float("lora_a", lora_a)
+    check_float("lora_b", lora_b)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the features)")
+    k = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"weight must be [out_features, {k}] (x's last dim), got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    n = weight.shape[0]
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype != x.dtype:
+            raise ValueError(f"bias must be 1-D of length {n} and dtype {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if lora_a.dim() != 2 or lora_a.shape[0] < 1 or lora_a.shape[1] != k:
+        raise ValueError(f"lora_a must be [rank, {k}] with rank >= 1, got {tuple(lora_a.shape)}")
+    rank = lora_a.shape[0]
+    if lora_b.dim() != 2 or lora_b.shape != (n, rank):
+        raise ValueError(f"lora_b must be [{n}, {rank}] (weight's out_features, lora_a's rank), "
+                         f"got {tuple(lora_b.shape)}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise TypeError(f"scaling must be a finite number, got {scaling!r}")
+    check_probability("dropout_p", dropout_p)
+    check_same_device(x=x, weight=weight, lora_a=lora_a, lora_b=lora_b, bias=bias)
+
+
+def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float = 1.0,
+                bias: Tensor | None = None, *, dropout_p: float = 0.0, training: bool = True) -> Tensor:
+    """``F.linear(x, weight, bias) + scaling * F.linear(F.linear(dropout(x), lora_a), lora_b)``,
+    PEFT's LoRA linear, as one node whose only kernels are GEMMs (see the module docstring).
+
+    x [*, K]; weight [N, K] and bias [N] in x's dtype; lora_a [r, K] and lora_b [N, r] in any
+    float dtype (used in x's dtype, their gradients returned in their own). ``dropout_p``
+    drops the adapter's input only, as F.dropout(x, dropout_p, training). Under autocast, x,
+    weight and bias are cast to autocast's dtype first, as F.linear casts them.
+    """
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_float(name, t)
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+    _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
+    with torch.autocast(x.device.type, enabled=False):
+        if not use_triton(x):
+            return reference.lora_linear(x, weight, lora_a, lora_b, scaling, bias, dropout_p, training)
+        lora_x = F.dropout(x, dropout_p, training) if dropout_p > 0 and training else None
+        y, _ = _lora_fwd(x, weight, bias, lora_a, lora_b, float(scaling), lora_x)
+        return y
