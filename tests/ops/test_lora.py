@@ -84,8 +84,8 @@ def test_dropout_on_the_adapter_input(training, device):
 
 
 def test_non_contiguous_input(device):
-    x, w, a, b, bias = _inputs((5,), 16, 12, 4, torch.float32, device)
-    xt = torch.randn(16, 5, device=device).t()  # [5, 16], row stride 1
+    _, w, a, b, bias = _inputs((5,), 16, 12, 4, torch.float32, device)
+    xt = torch.randn(16, 5, device=device).t()  # [5, 16], its features 5 elements apart
     _check((xt, w, a, b, bias), torch.float32)
 
 

@@ -43,7 +43,13 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._gemm import accumulate_mm
-from onepass.ops._launch import as_rows, check_float, check_probability, check_same_device, use_triton
+from onepass.ops._launch import (
+    as_rows,
+    check_float,
+    check_probability,
+    check_same_device,
+    use_triton,
+)
 
 
 def _mm_as(dtype: torch.dtype, a: Tensor, b: Tensor) -> Tensor:
@@ -140,9 +146,8 @@ def _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
     if weight.dtype != x.dtype:
         raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
     n = weight.shape[0]
-    if bias is not None:
-        if bias.shape != (n,) or bias.dtype != x.dtype:
-            raise ValueError(f"bias must be 1-D of length {n} and dtype {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be 1-D of length {n} and dtype {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if lora_a.dim() != 2 or lora_a.shape[0] < 1 or lora_a.shape[1] != k:
         raise ValueError(f"lora_a must be [rank, {k}] with rank >= 1, got {tuple(lora_a.shape)}")
     rank = lora_a.shape[0]
