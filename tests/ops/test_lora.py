@@ -77,6 +77,7 @@ def test_dropout_on_the_adapter_input(training, device):
     """F.dropout's mask (same seed, same mask as the reference draws): only the adapter sees it."""
     tensors = _inputs((4, 6), 16, 24, 4, torch.float32, device)
     _check(tensors, torch.float32, seed=5, dropout_p=0.4, training=training)
+    _check(tensors, torch.float32, seed=5, dropout_p=0.4, training=training, frozen=("weight",))  # x not kept
     x, w, a, b, bias = tensors
     y = ops.lora_linear(x, w, a, b, 2.0, bias, dropout_p=0.4, training=training)
     plain = ops.lora_linear(x, w, a, b, 2.0, bias)
@@ -148,6 +149,9 @@ def test_opcheck(device):
     for x_arg in (None, x_a.detach()):
         torch.library.opcheck(_lora_bwd, (dy, x.detach(), w.detach(), a.detach(), b.detach(), t, 1.5, x_arg, True,
                                           True, True, True, True, x_arg is not None))
+    # with a separate adapter input and a frozen base, x is not kept
+    torch.library.opcheck(_lora_bwd, (dy, None, w.detach(), a.detach(), b.detach(), t, 1.5, x_a.detach(), True,
+                                      False, False, True, True, True))
 
 
 # ------------------------------------------------------------------------ bad input

@@ -83,12 +83,15 @@ def _(x, weight, bias, lora_a, lora_b, scaling, lora_x):
 
 
 @torch.library.custom_op("onepass::lora_linear_bwd", mutates_args=())
-def _lora_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, t: Tensor, scaling: float,
+def _lora_bwd(dy: Tensor, x: Optional[Tensor], weight: Tensor, lora_a: Tensor, lora_b: Tensor, t: Tensor, scaling: float,
               lora_x: Optional[Tensor], need_dx: bool, need_dw: bool, need_dbias: bool, need_da: bool, need_db: bool,
               need_dx_a: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed."""
-    dy2, x2 = as_rows(dy), as_rows(x)
+    """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed; x may be None when
+    neither dW nor (without a separate adapter input) dA is."""
+    dy2 = as_rows(dy)
+    x2 = as_rows(x) if x is not None else None
     x_a2 = as_rows(lora_x) if lora_x is not None else x2
+    in_shape = (*dy.shape[:-1], weight.shape[1])
     a = lora_a.to(dy.dtype)
     dt = dy2 @ _scaled_b(lora_b, scaling, dy.dtype) if need_da or need_dx_a or (need_dx and lora_x is None) else None
     dx = dy.new_empty(0)
@@ -98,8 +101,8 @@ def _lora_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Ten
             dx.addmm_(dy2, weight)
         else:
             dx = dy2 @ weight
-        dx = dx.view(x.shape)
-    dx_a = (dt @ a).view(lora_x.shape) if need_dx_a else dy.new_empty(0)
+        dx = dx.view(in_shape)
+    dx_a = (dt @ a).view(in_shape) if need_dx_a else dy.new_empty(0)
     da = _mm_as(lora_a.dtype, dt.t(), x_a2) if need_da else lora_a.new_empty(0)
     db = _mm_as(lora_b.dtype, dy2.t(), t).mul_(scaling) if need_db else lora_b.new_empty(0)
     dw = dy2.t() @ x2 if need_dw else dy.new_empty(0)
@@ -109,17 +112,22 @@ def _lora_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Ten
 
 @_lora_bwd.register_fake
 def _(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw, need_dbias, need_da, need_db, need_dx_a):
-    def grad(need, like):
-        return like.new_empty(like.shape if need else 0)
-    return (grad(need_dx, x), grad(need_dw, weight), dy.new_empty(weight.shape[0] if need_dbias else 0),
-            grad(need_da, lora_a), grad(need_db, lora_b), grad(need_dx_a, lora_x if lora_x is not None else x))
+    def grad(need, shape):
+        return dy.new_empty(shape if need else 0)
+    in_shape = (*dy.shape[:-1], weight.shape[1])
+    return (grad(need_dx, in_shape), grad(need_dw, weight.shape), grad(need_dbias, weight.shape[0]),
+            lora_a.new_empty(lora_a.shape if need_da else 0), lora_b.new_empty(lora_b.shape if need_db else 0),
+            grad(need_dx_a, in_shape))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, lora_a, lora_b, scaling, lora_x = inputs
     _, t = output
     ctx.mark_non_differentiable(t)
-    ctx.save_for_backward(x, weight, lora_a, lora_b, t, lora_x)
+    # x is needed for dW, and for dA when it is the adapter's input too; else not kept
+    # (with dropout and a frozen base, PEFT keeps only the dropped copy as well)
+    keep_x = ctx.needs_input_grad[1] or lora_x is None
+    ctx.save_for_backward(x if keep_x else None, weight, lora_a, lora_b, t, lora_x)
     ctx.scaling, ctx.has_bias = scaling, bias is not None
 
 
