@@ -28,9 +28,10 @@ from typing import Iterator
 from torch import nn
 
 from onepass.models.common import FUSED, RECOMPUTED, Patches
+from onepass.models.lora import patch_lora
 from onepass.ops import _launch
 
-SWITCHES = ("norm", "activation", "rope", "attention", "loss", "recompute")
+SWITCHES = ("norm", "activation", "rope", "attention", "loss", "lora", "recompute")
 
 # config.model_type -> the module under onepass.models that patches it
 FAMILIES = {
@@ -51,7 +52,7 @@ def _hf_model(model: nn.Module) -> nn.Module:
 
 
 def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, rope: bool = True,
-             attention: bool = True, loss: bool = True, recompute: bool = True) -> nn.Module:
+             attention: bool = True, loss: bool = True, lora: bool = True, recompute: bool = True) -> nn.Module:
     """Patch ``model`` in place to run on onepass kernels; returns it.
 
     Switches: ``norm`` (norms, and residual add + norm fused), ``activation`` (the MLP's
@@ -59,8 +60,9 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     kernel through transformers' registry) and ``loss`` (LM head + cross-entropy without
     materialising logits, when labels are given in training; such a forward also fills no
     KV cache unless called with ``use_cache=True``, runs without a host sync, and gives a
-    weight tied to the input embedding one gradient instead of two summed). What stays
-    unfused, and why, is warned about and listed by ``optimize_report(model)``.
+    weight tied to the input embedding one gradient instead of two summed), and ``lora``
+    (each PEFT LoRA linear as one ``lora_linear`` node: wrap the model with PEFT first).
+    What stays unfused, and why, is warned about and listed by ``optimize_report(model)``.
 
     ``recompute`` trades a little compute for memory in training: the outputs of the norms
     that feed projections (q/k/v, gate/up) and the MLP's activation product (down_proj's
@@ -81,10 +83,12 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
         raise ValueError(f"onepass.optimize does not support model_type {model_type!r}{hint}; "
                          f"supported: {', '.join(sorted(FAMILIES))}")
     switches = {"norm": norm, "activation": activation, "rope": rope, "attention": attention, "loss": loss,
-                "recompute": recompute}
+                "lora": lora, "recompute": recompute}
     patches = Patches()
     try:
         status = importlib.import_module(f"onepass.models.{family}").patch(hf, patches, switches)
+        if lora:
+            status["lora"] = patch_lora(patches, hf)
     except BaseException:
         patches.undo()
         raise

@@ -177,7 +177,7 @@ def test_undo_restores_the_model(family, device):
 
 def test_switches_and_report(device):
     model, ref = _pair("llama", device, norm=False, activation=False, rope=False, attention=False, loss=False,
-                       recompute=False)
+                       lora=False, recompute=False)
     assert onepass.optimize_report(model) == dict.fromkeys(onepass.patching.SWITCHES, "off")
     assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
     model, _ = _pair("llama", device, activation=False)
@@ -309,24 +309,70 @@ def test_onepass_mask_needs_no_mask_without_padding_even_when_hf_would_build_one
     assert _onepass_mask(q_length=1, kv_length=6, **kw) is not None
 
 
-def test_peft_lora_on_projections(device):
+LORA_CASES = [("llama", ["q_proj", "v_proj", "gate_proj"], 0.0),
+              ("llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 0.1),
+              ("gpt2", ["c_attn", "c_fc"], 0.0)]  # transformers' Conv1D bases (fan_in_fan_out)
+
+
+def _peft_pair(family, device, config, **switches):
     peft = pytest.importorskip("peft")
-    model, ref = _pair("llama", device)
-    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0,
-                          init_lora_weights=False)
+    ref = tiny.build(family).to(device)
     torch.manual_seed(3)
-    ref = peft.get_peft_model(ref, cfg)
-    torch.manual_seed(3)
-    onepass.undo(model)
-    model = peft.get_peft_model(model, cfg)
-    onepass.optimize(model)
+    ref = peft.get_peft_model(ref, config)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's fan_in_fan_out notice for Conv1D
+        onepass.optimize(model, **switches)
+    return model, ref
+
+
+@pytest.mark.parametrize("family, targets, dropout", LORA_CASES)
+def test_peft_lora_layers_run_fused(family, targets, dropout, device, monkeypatch):
+    """Every LoRA linear runs as lora_linear; loss and every adapter gradient match PEFT's
+    (with dropout: the same masks, drawn from the same random stream in the same order)."""
+    peft = pytest.importorskip("peft")
+    calls = []
+    monkeypatch.setattr(onepass.ops, "lora_linear",
+                        lambda *a, _op=onepass.ops.lora_linear, **k: calls.append(1) or _op(*a, **k))
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout, init_lora_weights=False,
+                          fan_in_fan_out=family == "gpt2")
+    model, ref = _peft_pair(family, device, cfg)
+    n_layers = sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in model.modules())
+    assert onepass.optimize_report(model)["lora"].startswith(f"fused: {n_layers} of {n_layers}")
     ids = _batch().to(device)
+    torch.manual_seed(4)
     loss, grads = _loss_and_grads(model, ids)
+    torch.manual_seed(4)
     ref_loss, ref_grads = _loss_and_grads(ref, ids)
     _assert_close(loss, ref_loss, "loss")
+    assert len(calls) == n_layers
+    assert any("lora_A" in name for name, g in grads.items() if g is not None)
     for name, g in grads.items():
         if g is not None:
             _assert_close(g, ref_grads[name], f"d {name}")
+
+
+def test_peft_lora_falls_back_where_unfused(device):
+    """DoRA layers keep PEFT's forward (said in the report); merged adapters and the
+    reference mode run PEFT's forward too; undo removes the fused forwards."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True)
+    model, _ = _peft_pair("llama", device, cfg)
+    assert onepass.optimize_report(model)["lora"].startswith("unfused: 0 of 4")
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model, ref = _peft_pair("llama", device, cfg)
+    ids = _batch().to(device)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        expected = ref(ids).logits
+        with onepass.reference_mode():
+            _assert_close(model(ids).logits, expected, "logits, reference mode")
+        model.merge_adapter()
+        _assert_close(model(ids).logits, expected, "logits, merged")
+        model.unmerge_adapter()
+        _assert_close(model(ids).logits, expected, "logits, unmerged")
+    onepass.undo(model)
+    assert not any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))
 
 
 # ------------------------------------------------------------------ GPU, real sizes, bf16
