@@ -48,6 +48,9 @@ from onepass.ops._launch import (
     check_float,
     check_probability,
     check_same_device,
+    eager_autograd,
+    registered_outputs,
+    route,
     use_triton,
 )
 
@@ -61,9 +64,7 @@ def _scaled_b(lora_b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
     return (lora_b * scaling).to(dtype)  # [N, r]: scaled in B's dtype, rounded once
 
 
-@torch.library.custom_op("onepass::lora_linear_fwd", mutates_args=())
-def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
-              lora_x: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
     """(y, t): the output and the adapter's rank-r activation t = x_a A^T (kept for dB)."""
     x2 = as_rows(x)
     t = as_rows(lora_x if lora_x is not None else x) @ lora_a.to(x.dtype).t()
@@ -77,6 +78,38 @@ def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor,
     return y.view(*x.shape[:-1], weight.shape[0]), t
 
 
+def _lora_bwd_launch(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw, need_dbias, need_da, need_db,
+                     need_dx_a):
+    """(dx, dW, d_bias, dA, dB, dx_a), None where not needed; x may be None when neither dW
+    nor (without a separate adapter input) dA is."""
+    dy2 = as_rows(dy)
+    x2 = as_rows(x) if x is not None else None
+    x_a2 = as_rows(lora_x) if lora_x is not None else x2
+    in_shape = (*dy.shape[:-1], weight.shape[1])
+    a = lora_a.to(dy.dtype)
+    dt = dy2 @ _scaled_b(lora_b, scaling, dy.dtype) if need_da or need_dx_a or (need_dx and lora_x is None) else None
+    dx = None
+    if need_dx:
+        if lora_x is None:
+            dx = dt @ a
+            dx.addmm_(dy2, weight)
+        else:
+            dx = dy2 @ weight
+        dx = dx.view(in_shape)
+    return (dx,
+            dy2.t() @ x2 if need_dw else None,
+            dy2.sum(0) if need_dbias else None,
+            _mm_as(lora_a.dtype, dt.t(), x_a2) if need_da else None,
+            _mm_as(lora_b.dtype, dy2.t(), t).mul_(scaling) if need_db else None,
+            (dt @ a).view(in_shape) if need_dx_a else None)
+
+
+@torch.library.custom_op("onepass::lora_linear_fwd", mutates_args=())
+def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
+              lora_x: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+
+
 @_lora_fwd.register_fake
 def _(x, weight, bias, lora_a, lora_b, scaling, lora_x):
     return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_a.shape[0])
@@ -86,61 +119,40 @@ def _(x, weight, bias, lora_a, lora_b, scaling, lora_x):
 def _lora_bwd(dy: Tensor, x: Optional[Tensor], weight: Tensor, lora_a: Tensor, lora_b: Tensor, t: Tensor, scaling: float,
               lora_x: Optional[Tensor], need_dx: bool, need_dw: bool, need_dbias: bool, need_da: bool, need_db: bool,
               need_dx_a: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed; x may be None when
-    neither dW nor (without a separate adapter input) dA is."""
-    dy2 = as_rows(dy)
-    x2 = as_rows(x) if x is not None else None
-    x_a2 = as_rows(lora_x) if lora_x is not None else x2
-    in_shape = (*dy.shape[:-1], weight.shape[1])
-    a = lora_a.to(dy.dtype)
-    dt = dy2 @ _scaled_b(lora_b, scaling, dy.dtype) if need_da or need_dx_a or (need_dx and lora_x is None) else None
-    dx = dy.new_empty(0)
-    if need_dx:
-        if lora_x is None:
-            dx = dt @ a
-            dx.addmm_(dy2, weight)
-        else:
-            dx = dy2 @ weight
-        dx = dx.view(in_shape)
-    dx_a = (dt @ a).view(in_shape) if need_dx_a else dy.new_empty(0)
-    da = _mm_as(lora_a.dtype, dt.t(), x_a2) if need_da else lora_a.new_empty(0)
-    db = _mm_as(lora_b.dtype, dy2.t(), t).mul_(scaling) if need_db else lora_b.new_empty(0)
-    dw = dy2.t() @ x2 if need_dw else dy.new_empty(0)
-    dbias = dy2.sum(0) if need_dbias else dy.new_empty(0)
-    return dx, dw, dbias, da, db, dx_a
+    """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed."""
+    return registered_outputs(_lora_bwd_launch(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw,
+                                               need_dbias, need_da, need_db, need_dx_a), dy)
 
 
 @_lora_bwd.register_fake
 def _(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw, need_dbias, need_da, need_db, need_dx_a):
-    def grad(need, shape):
-        return dy.new_empty(shape if need else 0)
     in_shape = (*dy.shape[:-1], weight.shape[1])
-    return (grad(need_dx, in_shape), grad(need_dw, weight.shape), grad(need_dbias, weight.shape[0]),
-            lora_a.new_empty(lora_a.shape if need_da else 0), lora_b.new_empty(lora_b.shape if need_db else 0),
-            grad(need_dx_a, in_shape))
+    shapes = (in_shape, weight.shape, weight.shape[:1], lora_a.shape, lora_b.shape, in_shape)
+    likes = (dy, dy, dy, lora_a, lora_b, dy)
+    needs = (need_dx, need_dw, need_dbias, need_da, need_db, need_dx_a)
+    return tuple(like.new_empty(shape) if need else dy.new_empty(0) for shape, like, need in zip(shapes, likes, needs))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, lora_a, lora_b, scaling, lora_x = inputs
-    _, t = output
-    ctx.mark_non_differentiable(t)
     # x is needed for dW, and for dA when it is the adapter's input too; else not kept
     # (with dropout and a frozen base, PEFT keeps only the dropped copy as well)
     keep_x = ctx.needs_input_grad[1] or lora_x is None
-    ctx.save_for_backward(x if keep_x else None, weight, lora_a, lora_b, t, lora_x)
+    ctx.save_for_backward(x if keep_x else None, weight, lora_a, lora_b, output[1], lora_x)
     ctx.scaling, ctx.has_bias = scaling, bias is not None
 
 
-def _backward(ctx, dy, _dt):
+def _backward(ctx, dy, *_):
     x, weight, lora_a, lora_b, t, lora_x = ctx.saved_tensors
     n = ctx.needs_input_grad  # x, weight, bias, lora_a, lora_b, scaling, lora_x
     needs = (n[0], n[1], n[2] and ctx.has_bias, n[3], n[4], n[6] and lora_x is not None)
-    grads = _lora_bwd(dy, x, weight, lora_a, lora_b, t, ctx.scaling, lora_x, *needs)
+    grads = route(_lora_bwd, _lora_bwd_launch, dy)(dy, x, weight, lora_a, lora_b, t, ctx.scaling, lora_x, *needs)
     dx, dw, dbias, da, db, dx_a = (g if need else None for g, need in zip(grads, needs))
     return dx, dw, dbias, da, db, None, dx_a
 
 
 _lora_fwd.register_autograd(_backward, setup_context=_setup_context)
+_lora_fwd_eager = eager_autograd(_lora_fwd_launch, _setup_context, _backward, returns=1)
 
 
 def _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
@@ -189,5 +201,5 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scali
         if not use_triton(x):
             return reference.lora_linear(x, weight, lora_a, lora_b, scaling, bias, dropout_p, training)
         lora_x = F.dropout(x, dropout_p, training) if dropout_p > 0 and training else None
-        y, _ = _lora_fwd(x, weight, bias, lora_a, lora_b, float(scaling), lora_x)
-        return y
+        op = route(_lora_fwd, _lora_fwd_launch, x, weight, bias, lora_a, lora_b, lora_x, autograd=_lora_fwd_eager)
+        return op(x, weight, bias, lora_a, lora_b, float(scaling), lora_x)[0]

@@ -19,12 +19,14 @@ SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048)]  # (in, out): q/o, gate/up, 
 def _peft_layer(w, a, b):
     """PEFT's lora.Linear around a frozen nn.Linear holding ``w``, its factors set to a and b."""
     try:
+        from peft import LoraConfig
         from peft.tuners.lora.layer import Linear
     except ImportError:
         return None
     base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=DTYPE)
     base.weight = torch.nn.Parameter(w, requires_grad=False)
-    layer = Linear(base, "default", r=RANK, lora_alpha=int(SCALING * RANK))
+    layer = Linear(base, "default", LoraConfig(r=RANK, lora_alpha=int(SCALING * RANK)), r=RANK,
+                   lora_alpha=int(SCALING * RANK))
     for factor, value in zip(_factors(layer), (a, b)):
         factor.data = value.detach().clone()
         factor.requires_grad_(a.requires_grad)
