@@ -148,12 +148,13 @@ def test_opcheck(device):
     torch.library.opcheck(_lora_fwd, (x, w, None, a, b, 1.5, x_a))
     dy = torch.randn(6, 12, device=device)
     t = torch.randn(6, 2, device=device)
+    f32 = torch.float32
     for x_arg in (None, x_a.detach()):
-        torch.library.opcheck(_lora_bwd, (dy, x.detach(), w.detach(), a.detach(), b.detach(), t, 1.5, x_arg, True,
-                                          True, True, True, True, x_arg is not None))
+        torch.library.opcheck(_lora_bwd, (dy, x.detach(), w.detach(), a.detach(), b.detach(), t, x_arg, 1.5, f32, f32,
+                                          True, True, True, True, True, x_arg is not None))
     # with a separate adapter input and a frozen base, x is not kept
-    torch.library.opcheck(_lora_bwd, (dy, None, w.detach(), a.detach(), b.detach(), t, 1.5, x_a.detach(), True,
-                                      False, False, True, True, True))
+    torch.library.opcheck(_lora_bwd, (dy, None, w.detach(), a.detach(), b.detach(), t, x_a.detach(), 1.5, f32, f32,
+                                      True, False, False, True, True, True))
 
 
 # ------------------------------------------------------------------------ bad input

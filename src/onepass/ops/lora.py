@@ -55,39 +55,36 @@ from onepass.ops._launch import (
 )
 
 
-def _mm_as(dtype: torch.dtype, a: Tensor, b: Tensor) -> Tensor:
-    """a @ b written in ``dtype`` by the GEMM itself."""
-    return accumulate_mm(torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device), a, b, beta=0)
-
-
-def _scaled_b(lora_b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
-    return (lora_b * scaling).to(dtype)  # [N, r]: scaled in B's dtype, rounded once
+def _mm_as(dtype: torch.dtype, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """alpha * a @ b written in ``dtype`` by the GEMM itself."""
+    return accumulate_mm(torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device), a, b, 0, alpha)
 
 
 def _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
-    """(y, t): the output and the adapter's rank-r activation t = x_a A^T (kept for dB)."""
+    """(y, t, a, sb): the output, the adapter's rank-r activation t = x_a A^T, and A and
+    s B in x's dtype: all three kept for backward (no recast there: fewer launches)."""
     x2 = as_rows(x)
-    t = as_rows(lora_x if lora_x is not None else x) @ lora_a.to(x.dtype).t()
-    sb_t = _scaled_b(lora_b, scaling, x.dtype).t()
+    a = lora_a.to(x.dtype)
+    sb = (lora_b * scaling).to(x.dtype)  # [N, r]: scaled in B's dtype, rounded once
+    t = as_rows(lora_x if lora_x is not None else x) @ a.t()
     y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if bias is not None:
-        torch.addmm(bias, t, sb_t, out=y)
+        torch.addmm(bias, t, sb.t(), out=y)
     else:
-        torch.mm(t, sb_t, out=y)
+        torch.mm(t, sb.t(), out=y)
     y.addmm_(x2, weight.t())
-    return y.view(*x.shape[:-1], weight.shape[0]), t
+    return y.view(*x.shape[:-1], weight.shape[0]), t, a, sb
 
 
-def _lora_bwd_launch(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw, need_dbias, need_da, need_db,
-                     need_dx_a):
-    """(dx, dW, d_bias, dA, dB, dx_a), None where not needed; x may be None when neither dW
-    nor (without a separate adapter input) dA is."""
+def _lora_bwd_launch(dy, x, weight, a, sb, t, lora_x, scaling, a_dtype, b_dtype, need_dx, need_dw, need_dbias,
+                     need_da, need_db, need_dx_a):
+    """(dx, dW, d_bias, dA, dB, dx_a), None where not needed, dA and dB in ``a_dtype`` and
+    ``b_dtype``; x may be None when neither dW nor (without a separate adapter input) dA is."""
     dy2 = as_rows(dy)
     x2 = as_rows(x) if x is not None else None
     x_a2 = as_rows(lora_x) if lora_x is not None else x2
     in_shape = (*dy.shape[:-1], weight.shape[1])
-    a = lora_a.to(dy.dtype)
-    dt = dy2 @ _scaled_b(lora_b, scaling, dy.dtype) if need_da or need_dx_a or (need_dx and lora_x is None) else None
+    dt = dy2 @ sb if need_da or need_dx_a or (need_dx and lora_x is None) else None
     dx = None
     if need_dx:
         if lora_x is None:
@@ -99,54 +96,61 @@ def _lora_bwd_launch(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx,
     return (dx,
             dy2.t() @ x2 if need_dw else None,
             dy2.sum(0) if need_dbias else None,
-            _mm_as(lora_a.dtype, dt.t(), x_a2) if need_da else None,
-            _mm_as(lora_b.dtype, dy2.t(), t).mul_(scaling) if need_db else None,
+            _mm_as(a_dtype, dt.t(), x_a2) if need_da else None,
+            _mm_as(b_dtype, dy2.t(), t, alpha=scaling) if need_db else None,
             (dt @ a).view(in_shape) if need_dx_a else None)
 
 
 @torch.library.custom_op("onepass::lora_linear_fwd", mutates_args=())
 def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
-              lora_x: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    return _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+              lora_x: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y, t, a, sb = _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    # outputs may not alias inputs: A (and s B) already in x's dtype are copied
+    return y, t, a if a is not lora_a else a.clone(), sb
 
 
 @_lora_fwd.register_fake
 def _(x, weight, bias, lora_a, lora_b, scaling, lora_x):
-    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_a.shape[0])
+    return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_a.shape[0]),
+            x.new_empty(lora_a.shape), x.new_empty(lora_b.shape))
 
 
 @torch.library.custom_op("onepass::lora_linear_bwd", mutates_args=())
-def _lora_bwd(dy: Tensor, x: Optional[Tensor], weight: Tensor, lora_a: Tensor, lora_b: Tensor, t: Tensor, scaling: float,
-              lora_x: Optional[Tensor], need_dx: bool, need_dw: bool, need_dbias: bool, need_da: bool, need_db: bool,
-              need_dx_a: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _lora_bwd(dy: Tensor, x: Optional[Tensor], weight: Tensor, a: Tensor, sb: Tensor, t: Tensor,
+              lora_x: Optional[Tensor], scaling: float, a_dtype: torch.dtype, b_dtype: torch.dtype, need_dx: bool,
+              need_dw: bool, need_dbias: bool, need_da: bool, need_db: bool, need_dx_a: bool
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed."""
-    return registered_outputs(_lora_bwd_launch(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw,
-                                               need_dbias, need_da, need_db, need_dx_a), dy)
+    return registered_outputs(_lora_bwd_launch(dy, x, weight, a, sb, t, lora_x, scaling, a_dtype, b_dtype, need_dx,
+                                               need_dw, need_dbias, need_da, need_db, need_dx_a), dy)
 
 
 @_lora_bwd.register_fake
-def _(dy, x, weight, lora_a, lora_b, t, scaling, lora_x, need_dx, need_dw, need_dbias, need_da, need_db, need_dx_a):
+def _(dy, x, weight, a, sb, t, lora_x, scaling, a_dtype, b_dtype, need_dx, need_dw, need_dbias, need_da, need_db,
+      need_dx_a):
     in_shape = (*dy.shape[:-1], weight.shape[1])
-    shapes = (in_shape, weight.shape, weight.shape[:1], lora_a.shape, lora_b.shape, in_shape)
-    likes = (dy, dy, dy, lora_a, lora_b, dy)
+    shapes = (in_shape, weight.shape, weight.shape[:1], a.shape, sb.shape, in_shape)
+    dtypes = (dy.dtype, dy.dtype, dy.dtype, a_dtype, b_dtype, dy.dtype)
     needs = (need_dx, need_dw, need_dbias, need_da, need_db, need_dx_a)
-    return tuple(like.new_empty(shape) if need else dy.new_empty(0) for shape, like, need in zip(shapes, likes, needs))
+    return tuple(dy.new_empty(shape, dtype=dtype) if need else dy.new_empty(0)
+                 for shape, dtype, need in zip(shapes, dtypes, needs))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, lora_a, lora_b, scaling, lora_x = inputs
+    _, t, a, sb = output
     # x is needed for dW, and for dA when it is the adapter's input too; else not kept
     # (with dropout and a frozen base, PEFT keeps only the dropped copy as well)
     keep_x = ctx.needs_input_grad[1] or lora_x is None
-    ctx.save_for_backward(x if keep_x else None, weight, lora_a, lora_b, output[1], lora_x)
-    ctx.scaling, ctx.has_bias = scaling, bias is not None
+    ctx.save_for_backward(x if keep_x else None, weight, a, sb, t, lora_x)
+    ctx.scaling, ctx.has_bias, ctx.dtypes = scaling, bias is not None, (lora_a.dtype, lora_b.dtype)
 
 
 def _backward(ctx, dy, *_):
-    x, weight, lora_a, lora_b, t, lora_x = ctx.saved_tensors
+    x, weight, a, sb, t, lora_x = ctx.saved_tensors
     n = ctx.needs_input_grad  # x, weight, bias, lora_a, lora_b, scaling, lora_x
     needs = (n[0], n[1], n[2] and ctx.has_bias, n[3], n[4], n[6] and lora_x is not None)
-    grads = route(_lora_bwd, _lora_bwd_launch, dy)(dy, x, weight, lora_a, lora_b, t, ctx.scaling, lora_x, *needs)
+    grads = route(_lora_bwd, _lora_bwd_launch, dy)(dy, x, weight, a, sb, t, lora_x, ctx.scaling, *ctx.dtypes, *needs)
     dx, dw, dbias, da, db, dx_a = (g if need else None for g, need in zip(grads, needs))
     return dx, dw, dbias, da, db, None, dx_a
 
