@@ -64,6 +64,13 @@ def _lm_head(device, big):
             torch.randint(0, vocab, (tokens,), device=device))
 
 
+def _lora(device, big):
+    """x, a frozen-size base weight, and rank-r factors (Llama-3.2-1B's q_proj, rank 16, at benchmark size)."""
+    tokens, k, n, r, dtype = (8192, 2048, 2048, 16, torch.bfloat16) if big else (6, 32, 24, 4, torch.float32)
+    return (torch.randn(tokens, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype) / k**0.5,
+            torch.randn(r, k, device=device, dtype=dtype) / k**0.5, torch.randn(n, r, device=device, dtype=dtype))
+
+
 def _qkv(device, big):
     (b, hq, hk, s, d), dtype = ((16, 32, 32, 1024, 128), torch.bfloat16) if big else ((2, 4, 2, 37, 32), torch.float32)
     return (torch.randn(b, hq, s, d, device=device, dtype=dtype),
@@ -89,6 +96,7 @@ CHECKS = [
     Check("rope", "rope", _rope_inputs, lambda m, q, k, cos, sin: m.rope(q, k, cos, sin), n_grad=2),
     Check("cross_entropy", "loss", _logits, lambda m, x, t: m.cross_entropy(x, t, label_smoothing=0.1), n_grad=1),
     Check("linear_cross_entropy", "loss", _lm_head, lambda m, h, w, t: m.linear_cross_entropy(h, w, t), n_grad=2),
+    Check("lora_linear", "lora", _lora, lambda m, x, w, a, b: m.lora_linear(x, w, a, b, 2.0)),
     Check("attention", "attention", _qkv, lambda m, q, k, v: m.attention(q, k, v, causal=True)),
     Check("decode_attention", "attention", _kv_cache,
           lambda m, q, k, v, lengths: m.decode_attention(q, k, v, lengths), n_grad=0, meta=False),
