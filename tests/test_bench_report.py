@@ -65,3 +65,19 @@ def test_names_a_variant_rebinds_in_a_module_are_put_back():
         assert module.LlamaMLP == "original" and not hasattr(module, "added")
     finally:
         del sys.modules[module.__name__]
+
+
+def test_train_floor_counts_what_trains():
+    """Llama-3.2-1B at 4 x 2048: the floor of train.md (64.6 TFLOP, 52.0 GiB); with LoRA the
+    frozen base has no weight gradients, optimizer state or gradient writes."""
+    import torch
+
+    from onepass.bench.train import step_floor, with_lora
+    from onepass.models.configs import build
+
+    flops, bytes_ = step_floor(build("llama-1b", "meta", torch.bfloat16), 4, 2048)
+    assert round(flops / 1e12, 1) == 64.6 and round(bytes_ / 2**30, 1) == 52.0
+    lora_flops, lora_bytes = step_floor(with_lora(build("llama-1b", "meta", torch.bfloat16), 16), 4, 2048)
+    linear_flops = flops - 7 * 4 * 2048**2 * 32 * 64 * 16  # without attention
+    assert 0.66 < (lora_flops - (flops - linear_flops)) / linear_flops < 0.68  # 4 of 6 flops a weight, + adapters
+    assert lora_bytes < bytes_ - 8 * 1.2e9 * 2  # 8 of every frozen weight's 10 passes gone

@@ -45,7 +45,7 @@ def _bench_ops(args) -> int:
 def _bench_train(args) -> int:
     from onepass.bench.train import run
 
-    run(args.model, args.batch, args.seq, args.out)
+    run(args.model, args.batch, args.seq, args.out, lora_rank=args.lora)
     return 0
 
 
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_argument("--model", default="llama-1b", help="a built-in model configuration")
     bench_train.add_argument("--batch", type=int, default=4)
     bench_train.add_argument("--seq", type=int, default=2048)
+    bench_train.add_argument("--lora", type=int, default=0, metavar="R",
+                             help="LoRA fine-tuning: PEFT rank-R adapters on every projection, base frozen")
     bench_train.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_train.set_defaults(fn=_bench_train)
     analyze = sub.add_parser("analyze", help="where a model's HBM bytes and launches go, and what fusing saves")

@@ -34,6 +34,11 @@ rows besides the code is on the table.
 The floor: the step's matmul FLOPs at the bf16 matmul rate measured in this run, plus its
 minimum memory-bound bytes at the copy bandwidth measured in this run (see
 ``step_floor``); each variant is reported as a fraction of the floor's tokens/s.
+
+``lora_rank`` (``--lora R``): LoRA fine-tuning instead. Each fresh model is wrapped by PEFT
+with rank-R adapters on q/k/v/o/gate/up/down (PEFT's defaults otherwise: fp32 adapters on
+the bf16 base), the base frozen; the variants are ``LORA_VARIANTS`` and the results go to
+``train-lora.{json,md}``.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile
 # recomputes in backward kept instead, to show what recomputing costs and saves)
 ONEPASS_SWITCHES = {"onepass": {}, "onepass+torch.compile": {}, "onepass, SDPA attention": {"attention": False},
                     "onepass, no recompute": {"recompute": False}, "onepass + onepass AdamW": {}}
+
+LORA_VARIANTS = ("eager", "torch.compile", "liger", "onepass", "onepass+torch.compile")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # Timed steps after warm-up (the compiled variants compile during warm-up).
 WARMUP_STEPS = 3
@@ -149,31 +157,38 @@ def _sample_gpu() -> Callable[[], tuple[float | None, float | None]]:
 # ------------------------------------------------------------------------- the floor
 
 
-def step_floor(config, batch: int, seq: int, n_params: int) -> tuple[float, float]:
-    """(matmul FLOPs, minimum memory-bound bytes) of one training step, bf16.
+def step_floor(model: torch.nn.Module, batch: int, seq: int) -> tuple[float, float]:
+    """(matmul FLOPs, minimum memory-bound bytes) of one training step of ``model`` (built on
+    the meta device: only shapes and which parameters train are read), bf16.
 
-    FLOPs: 6 per linear weight per token (forward 2, backward 4; the LM head counted once
-    even when tied), plus causal attention, 7 b s^2 H d per layer (forward 2, backward 5
-    of the full 4 b s^2 H d, halved by the mask).
+    FLOPs: per token, 6 per weight of every linear that trains (forward 2, backward 4) and
+    4 per weight of a frozen one (no weight gradient; the LM head counted once even when
+    tied), plus causal attention, 7 b s^2 H d per layer (forward 2, backward 5 of the full
+    4 b s^2 H d, halved by the mask).
 
-    Bytes (2 a bf16 element), what no fusion can avoid: the optimizer reads the parameter,
-    gradient and both moments and writes the parameter and moments (7 P), the forward
-    and backward read every weight (2 P) and write the gradient (P); per layer and token
-    the activations that must cross HBM once between matmuls: the two add+norm passes
-    (4 h each way), rope (2 (q+k) each way), attention's q, k, v, o and their gradients
-    (read q, k, v and write o, and as much again backward), the gated MLP (3 i forward, 5 i backward).
+    Bytes (2 a bf16 element), what no fusion can avoid: for a parameter that trains the
+    optimizer reads it, its gradient and both moments and writes it and the moments (7),
+    the forward and backward read it (2) and write its gradient (1); a frozen one is only
+    read twice; per layer and token the activations that must cross HBM once between
+    matmuls: the two add+norm passes (4 h each way), rope (2 (q+k) each way), attention's
+    q, k, v, o and their gradients (read q, k, v and write o, and as much again backward),
+    the gated MLP (3 i forward, 5 i backward).
     """
+    config = model.config
     h, layers = config.hidden_size, config.num_hidden_layers
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // heads
-    inter, vocab = config.intermediate_size, config.vocab_size
+    inter = config.intermediate_size
     tokens = batch * seq
-    linear = layers * (h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter) + vocab * h
-    flops = 6 * linear * tokens + 7 * batch * seq * seq * heads * d * layers
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    flops = tokens * sum((6 if w.requires_grad else 4) * w.numel() for w in linears)
+    flops += 7 * batch * seq * seq * heads * d * layers
     q, kv = heads * d, kv_heads * d
     per_token_layer = 2 * (4 * h) * 2 + 2 * 2 * (q + kv) + 2 * (q + 2 * kv) + 2 * q + 8 * inter
+    params = list(model.parameters())
+    weight_passes = sum((10 if p.requires_grad else 2) * p.numel() for p in params)
     elem = 2
-    bytes_ = elem * (10 * n_params + tokens * layers * per_token_layer)
+    bytes_ = elem * (weight_passes + tokens * layers * per_token_layer)
     return float(flops), float(bytes_)
 
 
@@ -200,20 +215,28 @@ def _prepare(variant: str, model: torch.nn.Module):
         patch = _liger_patch()
         if patch is None:
             raise ImportError("liger_kernel is not importable here")
-        patch(model=model)
+        patch(model=model.get_base_model() if hasattr(model, "get_base_model") else model)
         return model
     onepass.optimize(model, **ONEPASS_SWITCHES[variant])
     return torch.compile(model) if variant == "onepass+torch.compile" else model
 
 
 def _optimizer(variant: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """torch's fused AdamW, the step every variant shares; onepass's AdamW (the same update)
-    in its own row."""
+    """torch's fused AdamW over the parameters that train, the step every variant shares;
+    onepass's AdamW (the same update) in its own row."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if variant.endswith("onepass AdamW"):
         from onepass.optim import AdamW
 
-        return AdamW(model.parameters(), lr=1e-4)
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return AdamW(params, lr=1e-4)
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` wrapped by PEFT with rank-``rank`` adapters on every projection, base frozen."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS))
 
 
 def _step_times(step: Callable[[], torch.Tensor], synced: bool) -> list[float]:
@@ -257,7 +280,8 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
         torch.manual_seed(0)
         model = build().train()
         if variant == "liger":
-            stack.enter_context(_module_names_restored(type(model).__module__))
+            hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+            stack.enter_context(_module_names_restored(type(hf).__module__))
         forward = _prepare(variant, model)
         opt = _optimizer(variant, model)
 
@@ -306,8 +330,9 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
 
 
 def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str | Path = "benchmarks/results",
-        variants: tuple[str, ...] = VARIANTS, log=print) -> dict:
-    """Time one training step of ``model`` per variant; write ``<out_dir>/<gpu>/train.{json,md}``."""
+        variants: tuple[str, ...] | None = None, lora_rank: int = 0, log=print) -> dict:
+    """Time one training step of ``model`` per variant; write ``<out_dir>/<gpu>/train.{json,md}``
+    (``train-lora.*`` with ``lora_rank``)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the training benchmark needs a CUDA GPU")
     from onepass.bench.harness import environment, gpu_folder, measure_ceilings
@@ -318,13 +343,16 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
     env = environment(ceilings)
     log(f"{env['gpu']}: copy {env['copy_GBps']:.0f} GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
 
-    def fresh():
-        return build(model, "cuda", torch.bfloat16)
+    variants = variants or (LORA_VARIANTS if lora_rank else VARIANTS)
 
-    probe = build(model, "meta", torch.bfloat16)
+    def fresh(device="cuda"):
+        built = build(model, device, torch.bfloat16)
+        return with_lora(built, lora_rank) if lora_rank else built
+
+    probe = fresh("meta")
     config, n_params = probe.config, sum(p.numel() for p in probe.parameters())
+    flops, bytes_ = step_floor(probe, batch, seq)
     del probe
-    flops, bytes_ = step_floor(config, batch, seq, n_params)
     floor_s = flops / (ceilings.matmul_tflops * 1e12) + bytes_ / (ceilings.copy_gbps * 1e9)
     floor_tps = batch * seq / floor_s
     log(f"{model}, batch {batch} x {seq}: floor {floor_tps / 1e3:.1f}k tokens/s "
@@ -346,14 +374,16 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
 
     summary = {
         "env": env, "model": model, "batch": batch, "seq": seq, "params": n_params, "rounds": ROUNDS,
+        "lora_rank": lora_rank,
         "floor": {"tokens_per_s": floor_tps, "matmul_tflop": flops / 1e12, "memory_gib": bytes_ / 2**30},
         "results": [asdict(r) for r in results],
     }
     folder = Path(out_dir) / gpu_folder(env["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (folder / "train.md").write_text(to_markdown(summary))
-    log(f"wrote {folder / 'train.json'} and train.md")
+    name = "train-lora" if lora_rank else "train"
+    (folder / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (folder / f"{name}.md").write_text(to_markdown(summary))
+    log(f"wrote {folder / name}.json and {name}.md")
     return summary
 
 
@@ -361,8 +391,11 @@ def to_markdown(summary: dict) -> str:
     env, floor = summary["env"], summary["floor"]
     by_name = {r["variant"]: r for r in summary["results"]}
     liger = by_name.get("liger", {})
+    rank = summary.get("lora_rank")
+    what = (f"LoRA rank {rank} on every projection (PEFT, fp32 adapters, base frozen)" if rank
+            else "torch's AdamW(fused=True) unless the row says otherwise")
     lines = [
-        f"# train step: {summary['model']}, batch {summary['batch']} x {summary['seq']}, bf16, torch's AdamW(fused=True) unless the row says otherwise",
+        f"# train step: {summary['model']}, batch {summary['batch']} x {summary['seq']}, bf16, {what}",
         "", f"{env['gpu']}; torch {env['torch']}, triton {env['triton']}, {env['date']}; copy bandwidth "
         f"{env['copy_GBps']:.0f} GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s (measured in this run).",
         "", f"Command: `{env['command']}`", "",
@@ -383,8 +416,9 @@ def to_markdown(summary: dict) -> str:
                                                   if liger.get("synced_step_ms") else "")
         lines.append(f"| {r['variant']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['step_ms']:.1f} | {r['peak_gib']:.1f} | "
                      f"{100 * r['frac_floor']:.0f} | {vs_t} | {vs_m} | {synced} | {gpu} | {r['note'] or ''} |")
-    lines += ["", "Target (issue 6): onepass >= 1.1x Liger's tokens/s at <= 0.9x Liger's peak memory; "
-              "onepass + torch.compile no slower than onepass. Tokens/s: steps back to back; \"synced\": a host "
+    target = ("" if rank else "Target (issue 6): onepass >= 1.1x Liger's tokens/s at <= 0.9x Liger's peak memory; "
+              "onepass + torch.compile no slower than onepass. ")
+    lines += ["", target + "Tokens/s: steps back to back; \"synced\": a host "
               f"sync after every step. Each figure is the mean of {summary.get('rounds', 1)} "
               "rounds' medians, the variants measured in order, then in reverse (see the module docstring of "
               "onepass.bench.train)."]
