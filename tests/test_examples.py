@@ -20,3 +20,11 @@ def test_optimize_example_keeps_the_loss(device, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     before, after = (float(w.rstrip(",")) for w in last.split() if w[0].isdigit())
     assert abs(before - after) <= 1e-3 * abs(before)
+
+
+def test_lora_example_fuses_every_adapter_and_learns(device, capsys):
+    runpy.run_path(str(EXAMPLES / "lora_finetune.py"), run_name="__main__")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any("lora: fused: " in line for line in lines)
+    losses = [float(w.rstrip(",")) for w in lines[-1].split(":")[-1].split()]
+    assert len(losses) == 5 and losses[-1] < losses[0]
