@@ -309,9 +309,13 @@ def test_onepass_mask_needs_no_mask_without_padding_even_when_hf_would_build_one
     assert _onepass_mask(q_length=1, kv_length=6, **kw) is not None
 
 
-LORA_CASES = [("llama", ["q_proj", "v_proj", "gate_proj"], 0.0),
-              ("llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 0.1),
-              ("gpt2", ["c_attn", "c_fc"], 0.0)]  # transformers' Conv1D bases (fan_in_fan_out)
+ALL_LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (family, targets, dropout, lora_linear calls a layer: q/k/v and gate/up all adapted, without
+# dropout, run as one shared node each instead)
+LORA_CASES = [("llama", ["q_proj", "v_proj", "gate_proj"], 0.0, 3),
+              ("llama", ALL_LLAMA_PROJECTIONS, 0.1, 7),
+              ("llama", ALL_LLAMA_PROJECTIONS, 0.0, 2),
+              ("gpt2", ["c_attn", "c_fc"], 0.0, 2)]  # transformers' Conv1D bases (fan_in_fan_out)
 
 
 def _peft_pair(family, device, config, **switches):
@@ -326,8 +330,8 @@ def _peft_pair(family, device, config, **switches):
     return model, ref
 
 
-@pytest.mark.parametrize("family, targets, dropout", LORA_CASES)
-def test_peft_lora_layers_run_fused(family, targets, dropout, device, monkeypatch):
+@pytest.mark.parametrize("family, targets, dropout, calls_a_layer", LORA_CASES)
+def test_peft_lora_layers_run_fused(family, targets, dropout, calls_a_layer, device, monkeypatch):
     """Every LoRA linear runs as lora_linear; loss and every adapter gradient match PEFT's
     (with dropout: the same masks, drawn from the same random stream in the same order)."""
     peft = pytest.importorskip("peft")
@@ -345,7 +349,7 @@ def test_peft_lora_layers_run_fused(family, targets, dropout, device, monkeypatc
     torch.manual_seed(4)
     ref_loss, ref_grads = _loss_and_grads(ref, ids)
     _assert_close(loss, ref_loss, "loss")
-    assert len(calls) == n_layers
+    assert len(calls) == calls_a_layer * model.config.num_hidden_layers
     assert any("lora_A" in name for name, g in grads.items() if g is not None)
     for name, g in grads.items():
         if g is not None:

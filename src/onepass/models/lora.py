@@ -7,15 +7,22 @@ gets a forward that calls ``lora_linear`` when, at call time, one adapter is act
 unmerged, with no per-call ``adapter_names``; otherwise, and on the reference path, PEFT's
 own forward runs. Wrap the model with PEFT before ``optimize``: layers added later are
 not seen.
+
+Where several such layers read one input (q/k/v, gate/up; ``projections.linears`` asks
+``shared_linears``), they run as one node whose backward adds their input gradients inside
+its GEMMs, as onepass does for plain linears: one Python node instead of three, and none of
+autograd's [tokens, hidden] add kernels. Not with dropout in training (each layer draws its
+own mask, PEFT's order kept by calling them one by one) nor under torch.compile.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from onepass import ops
-from onepass.models.common import FUSED, UNFUSED, Patches
-from onepass.models.projections import unhooked
+from onepass.models import common, projections
+from onepass.ops import lora as lora_ops
 from onepass.ops._launch import use_triton
 
 
@@ -30,7 +37,7 @@ def _lora_linear_class() -> type | None:
 def _base_weight(layer: nn.Module) -> Tensor | None:
     """The base layer's weight as [out, in] (F.linear's), or None for a base it cannot read."""
     base = layer.base_layer
-    if not unhooked(base):
+    if not projections.unhooked(base):
         return None
     if type(base) is nn.Linear and not layer.fan_in_fan_out:
         return base.weight
@@ -47,32 +54,98 @@ def _unsuited(layer: nn.Module) -> str | None:
         a, b, drop = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
         if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name):
             return "a LoRA variant (DoRA, ...)"
-        if not (type(a) is nn.Linear and type(b) is nn.Linear and unhooked(a) and unhooked(b)) or b.bias is not None:
+        if not (type(a) is nn.Linear and type(b) is nn.Linear and projections.unhooked(a) and projections.unhooked(b)) \
+                or b.bias is not None:
             return "adapter factors that are not plain bias-free linears"
-        if type(drop) not in (nn.Dropout, nn.Identity) or not unhooked(drop):
+        if type(drop) not in (nn.Dropout, nn.Identity) or not projections.unhooked(drop):
             return f"dropout {type(drop).__name__}"
     return None
 
 
-def _fused_adapter(layer: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> str | None:
-    """The one active adapter lora_linear runs for this call, or None for PEFT's forward."""
+def _call_args(layer: nn.Module, x: Tensor, args: tuple = (), kwargs: dict | None = None) -> tuple | None:
+    """lora_linear's (weight, lora_a, lora_b, scaling, bias, dropout_p, training) for this call
+    of a patched layer: its one active adapter, unmerged; None for PEFT's forward."""
     if args or kwargs or layer.disable_adapters or layer.merged or not use_triton(x):
         return None
     active = [name for name in layer.active_adapters if name in layer.lora_A]
-    return active[0] if len(active) == 1 else None
+    if len(active) != 1:
+        return None
+    name = active[0]
+    drop = layer.lora_dropout[name]
+    p = drop.p if isinstance(drop, nn.Dropout) else 0.0
+    return (_base_weight(layer), layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
+            layer.base_layer.bias, p, drop.training)
 
 
 def _forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-    name = _fused_adapter(self, x, args, kwargs)
-    if name is None:
+    call = _call_args(self, x, args, kwargs)
+    if call is None:
         return type(self).forward(self, x, *args, **kwargs)
-    drop = self.lora_dropout[name]
-    p = drop.p if isinstance(drop, nn.Dropout) else 0.0
-    return ops.lora_linear(x, _base_weight(self), self.lora_A[name].weight, self.lora_B[name].weight,
-                           self.scaling[name], self.base_layer.bias, dropout_p=p, training=drop.training)
+    weight, lora_a, lora_b, scaling, bias, p, training = call
+    return ops.lora_linear(x, weight, lora_a, lora_b, scaling, bias, dropout_p=p, training=training)
 
 
-def patch_lora(patches: Patches, model: nn.Module) -> str:
+class _SharedInputAdapters(torch.autograd.Function):
+    """lora_linear(x, ...) for several LoRA linears reading one x (q/k/v, gate/up) as one
+    node, from x, the scalings and (weight, bias, lora_a, lora_b) per layer: backward adds
+    their input gradients inside its GEMMs instead of autograd's add kernels (as
+    ``projections.linears`` does for plain linears), and one Python node stands for them all."""
+
+    @staticmethod
+    def forward(ctx, x, scalings, *params):
+        outs, saved, ctx.meta = [], [x], []
+        for i, scaling in enumerate(scalings):
+            weight, bias, lora_a, lora_b = params[4 * i:4 * i + 4]
+            y, t, a, b = lora_ops._lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, None)
+            outs.append(y)
+            saved += [weight, a, b, t]
+            ctx.meta.append((bias is not None, lora_a.dtype, lora_b.dtype))
+        ctx.save_for_backward(*saved)
+        ctx.scalings = scalings
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx, grads = None, []
+        for i, (dy, scaling, (has_bias, a_dtype, b_dtype)) in enumerate(zip(dys, ctx.scalings, ctx.meta)):
+            weight, a, b, t = saved[4 * i:4 * i + 4]
+            n = needs[2 + 4 * i:6 + 4 * i]  # weight, bias, lora_a, lora_b
+            g = lora_ops._lora_bwd_launch(dy, x, weight, a, b, t, None, scaling, a_dtype, b_dtype, needs[0], n[0],
+                                          n[1] and has_bias, n[2], n[3], False, dx_into=dx)
+            dx = g[0].view(-1, x.shape[-1]) if needs[0] else None
+            grads += [g[1], g[2] if has_bias else None, g[3], g[4]]
+        return (dx.view(x.shape) if dx is not None else None), None, *grads
+
+
+def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ...] | None:
+    """``layer(x)`` for each of several patched LoRA linears as one node; None (call them one
+    by one) unless every layer runs fused here without dropout and onepass's nodes run."""
+    if len(layers) < 2 or not projections.nodes_run(x):
+        return None
+    calls = [_call_args(layer, x) if _patched(layer) else None for layer in layers]
+    if any(c is None or (c[5] > 0 and c[6]) for c in calls):
+        return None
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    params = []
+    for weight, lora_a, lora_b, _, bias, _, _ in calls:
+        if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+            if not torch.is_autocast_enabled(device):
+                return None  # PEFT's forward says what is wrong
+            weight, bias = weight.to(dtype), bias.to(dtype) if bias is not None else None
+        params += [weight, bias, lora_a, lora_b]
+    with torch.autocast(device, enabled=False):
+        outs = _SharedInputAdapters.apply(x.to(dtype), tuple(float(c[3]) for c in calls), *params)
+    return outs
+
+
+def _patched(layer: nn.Module) -> bool:
+    return getattr(layer.__dict__.get("forward"), "__func__", None) is _forward
+
+
+def patch_lora(patches: common.Patches, model: nn.Module) -> str:
     """Give every suited PEFT LoRA linear in ``model`` the fused forward; returns the status."""
     cls = _lora_linear_class()
     layers = [m for m in model.modules() if cls is not None and type(m) is cls]
@@ -88,6 +161,6 @@ def patch_lora(patches: Patches, model: nn.Module) -> str:
     fused = len(layers) - sum(reasons.values())
     counts = f"{fused} of {len(layers)} LoRA linears as lora_linear"
     if not reasons:
-        return f"{FUSED}: {counts} (no scale or add kernels)"
+        return f"{common.FUSED}: {counts} (no scale or add kernels)"
     listing = ", ".join(f"{n} with {reason}" for reason, n in reasons.items())
-    return f"{UNFUSED}: {counts}; PEFT's forward for {listing}"
+    return f"{common.UNFUSED}: {counts}; PEFT's forward for {listing}"

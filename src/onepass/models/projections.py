@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from onepass.models import lora
 from onepass.ops import activation
 from onepass.ops._launch import use_triton
 
@@ -110,7 +111,8 @@ def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
     """``m(x)`` for each of ``modules``; plain linears as one node whose backward adds the
     input gradients inside its matmuls."""
     if not fusable(x, modules):
-        return tuple(m(x) for m in modules)
+        adapters = lora.shared_linears(x, modules)  # PEFT LoRA linears: their own shared node
+        return adapters if adapters is not None else tuple(m(x) for m in modules)
     params = [p for m in modules for p in (m.weight, m.bias)]
     x, params = _compute_dtype(x, params)
     with torch.autocast(x.device.type, enabled=False):

@@ -77,9 +77,10 @@ def _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
 
 
 def _lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, need_dx, need_dw, need_dbias,
-                     need_da, need_db, need_dx_a):
+                     need_da, need_db, need_dx_a, dx_into=None):
     """(dx, dW, d_bias, dA, dB, dx_a), None where not needed, dA and dB in ``a_dtype`` and
-    ``b_dtype``; x may be None when neither dW nor (without a separate adapter input) dA is."""
+    ``b_dtype``; x may be None when neither dW nor (without a separate adapter input) dA is.
+    ``dx_into`` ([tokens, K]): dx is added into it by the GEMMs (several layers reading one x)."""
     dy2 = as_rows(dy)
     x2 = as_rows(x) if x is not None else None
     x_a2 = as_rows(lora_x) if lora_x is not None else x2
@@ -89,10 +90,10 @@ def _lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, 
     dx = None
     if need_dx:
         if lora_x is None:
-            dx = dt @ a
+            dx = dt @ a if dx_into is None else dx_into.addmm_(dt, a)
             dx.addmm_(dy2, weight)
         else:
-            dx = dy2 @ weight
+            dx = dy2 @ weight if dx_into is None else dx_into.addmm_(dy2, weight)
         dx = dx.view(in_shape)
     return (dx,
             dy2.t() @ x2 if need_dw else None,
