@@ -96,7 +96,7 @@ class _SharedInputAdapters(torch.autograd.Function):
         outs, saved, ctx.meta = [], [x], []
         for i, scaling in enumerate(scalings):
             weight, bias, lora_a, lora_b = params[4 * i:4 * i + 4]
-            y, t, a, b = lora_ops._lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, None)
+            y, t, a, b = lora_ops.lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, None)
             outs.append(y)
             saved += [weight, a, b, t]
             ctx.meta.append((bias is not None, lora_a.dtype, lora_b.dtype))
@@ -112,7 +112,7 @@ class _SharedInputAdapters(torch.autograd.Function):
         for i, (dy, scaling, (has_bias, a_dtype, b_dtype)) in enumerate(zip(dys, ctx.scalings, ctx.meta)):
             weight, a, b, t = saved[4 * i:4 * i + 4]
             n = needs[2 + 4 * i:6 + 4 * i]  # weight, bias, lora_a, lora_b
-            g = lora_ops._lora_bwd_launch(dy, x, weight, a, b, t, None, scaling, a_dtype, b_dtype, needs[0], n[0],
+            g = lora_ops.lora_bwd_launch(dy, x, weight, a, b, t, None, scaling, a_dtype, b_dtype, needs[0], n[0],
                                           n[1] and has_bias, n[2], n[3], False, dx_into=dx)
             dx = g[0].view(-1, x.shape[-1]) if needs[0] else None
             grads += [g[1], g[2] if has_bias else None, g[3], g[4]]

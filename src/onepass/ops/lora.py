@@ -62,7 +62,7 @@ def _mm_as(dtype: torch.dtype, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tens
     return accumulate_mm(torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device), a, b, 0, alpha)
 
 
-def _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
+def lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
     """(y, t, a, b): the output, the adapter's rank-r activation t = x_a A^T, and A and B in
     x's dtype (themselves when already in it): all three kept for backward, which then
     recasts nothing."""
@@ -76,7 +76,7 @@ def _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
     return y.view(*x.shape[:-1], weight.shape[0]), t, a, b
 
 
-def _lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, need_dx, need_dw, need_dbias,
+def lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, need_dx, need_dw, need_dbias,
                      need_da, need_db, need_dx_a, dx_into=None):
     """(dx, dW, d_bias, dA, dB, dx_a), None where not needed, dA and dB in ``a_dtype`` and
     ``b_dtype``; x may be None when neither dW nor (without a separate adapter input) dA is.
@@ -106,7 +106,7 @@ def _lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, 
 @torch.library.custom_op("onepass::lora_linear_fwd", mutates_args=())
 def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
               lora_x: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    y, t, a, b = _lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    y, t, a, b = lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
     # outputs may not alias inputs: factors already in x's dtype are copied
     return y, t, a if a is not lora_a else a.clone(), b if b is not lora_b else b.clone()
 
@@ -123,7 +123,7 @@ def _lora_bwd(dy: Tensor, x: Optional[Tensor], weight: Tensor, a: Tensor, b: Ten
               need_dw: bool, need_dbias: bool, need_da: bool, need_db: bool, need_dx_a: bool
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed."""
-    return registered_outputs(_lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, need_dx,
+    return registered_outputs(lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, need_dx,
                                                need_dw, need_dbias, need_da, need_db, need_dx_a), dy)
 
 
@@ -152,13 +152,13 @@ def _backward(ctx, dy, *_):
     x, weight, a, b, t, lora_x = ctx.saved_tensors
     n = ctx.needs_input_grad  # x, weight, bias, lora_a, lora_b, scaling, lora_x
     needs = (n[0], n[1], n[2] and ctx.has_bias, n[3], n[4], n[6] and lora_x is not None)
-    grads = route(_lora_bwd, _lora_bwd_launch, dy)(dy, x, weight, a, b, t, lora_x, ctx.scaling, *ctx.dtypes, *needs)
+    grads = route(_lora_bwd, lora_bwd_launch, dy)(dy, x, weight, a, b, t, lora_x, ctx.scaling, *ctx.dtypes, *needs)
     dx, dw, dbias, da, db, dx_a = (g if need else None for g, need in zip(grads, needs))
     return dx, dw, dbias, da, db, None, dx_a
 
 
 _lora_fwd.register_autograd(_backward, setup_context=_setup_context)
-_lora_fwd_eager = eager_autograd(_lora_fwd_launch, _setup_context, _backward, returns=1)
+_lora_fwd_eager = eager_autograd(lora_fwd_launch, _setup_context, _backward, returns=1)
 
 
 def _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
@@ -207,5 +207,5 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scali
         if not use_triton(x):
             return reference.lora_linear(x, weight, lora_a, lora_b, scaling, bias, dropout_p, training)
         lora_x = F.dropout(x, dropout_p, training) if dropout_p > 0 and training else None
-        op = route(_lora_fwd, _lora_fwd_launch, x, weight, bias, lora_a, lora_b, lora_x, autograd=_lora_fwd_eager)
+        op = route(_lora_fwd, lora_fwd_launch, x, weight, bias, lora_a, lora_b, lora_x, autograd=_lora_fwd_eager)
         return op(x, weight, bias, lora_a, lora_b, float(scaling), lora_x)[0]
