@@ -375,6 +375,16 @@ def test_peft_lora_falls_back_where_unfused(device):
         _assert_close(model(ids).logits, expected, "logits, merged")
         model.unmerge_adapter()
         _assert_close(model(ids).logits, expected, "logits, unmerged")
+        # a DoRA adapter added after optimize, then made active: PEFT's forward runs it
+        dora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True)
+        for m in (model, ref):
+            torch.manual_seed(6)
+            m.add_adapter("dora", dora)
+            m.set_adapter("dora")
+            for name, p in m.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(1.5)  # DoRA starts equal to plain LoRA; this makes it differ
+        _assert_close(model(ids).logits, ref(ids).logits, "logits, a DoRA adapter added later")
     onepass.undo(model)
     assert not any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))
 

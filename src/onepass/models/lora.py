@@ -17,6 +17,8 @@ own mask, PEFT's order kept by calling them one by one) nor under torch.compile.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -46,43 +48,59 @@ def _base_weight(layer: nn.Module) -> Tensor | None:
     return None
 
 
+def _unsuited_adapter(layer: nn.Module, name: str) -> str | None:
+    """Why adapter ``name`` of this LoRA layer cannot run as lora_linear, or None when it can
+    (asked at patch time for every adapter, and at each call for the active one: one added
+    after optimize may be a variant)."""
+    a, b, drop = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name):
+        return "a LoRA variant (DoRA, ...)"
+    unhooked = projections.unhooked
+    if not (type(a) is nn.Linear and type(b) is nn.Linear and unhooked(a) and unhooked(b)) or b.bias is not None:
+        return "adapter factors that are not plain bias-free linears"
+    if type(drop) not in (nn.Dropout, nn.Identity) or not unhooked(drop):
+        return f"dropout {type(drop).__name__}"
+    return None
+
+
 def _unsuited(layer: nn.Module) -> str | None:
     """Why this LoRA layer cannot run as lora_linear, or None when it can."""
     if _base_weight(layer) is None:
         return f"base layer {type(layer.base_layer).__name__}"
-    for name in layer.lora_A:
-        a, b, drop = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
-        if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name):
-            return "a LoRA variant (DoRA, ...)"
-        if not (type(a) is nn.Linear and type(b) is nn.Linear and projections.unhooked(a) and projections.unhooked(b)) \
-                or b.bias is not None:
-            return "adapter factors that are not plain bias-free linears"
-        if type(drop) not in (nn.Dropout, nn.Identity) or not projections.unhooked(drop):
-            return f"dropout {type(drop).__name__}"
-    return None
+    return next((r for r in (_unsuited_adapter(layer, name) for name in layer.lora_A) if r), None)
 
 
-def _call_args(layer: nn.Module, x: Tensor, args: tuple = (), kwargs: dict | None = None) -> tuple | None:
-    """lora_linear's (weight, lora_a, lora_b, scaling, bias, dropout_p, training) for this call
-    of a patched layer: its one active adapter, unmerged; None for PEFT's forward."""
+class _Call(NamedTuple):
+    """lora_linear's arguments for one call of a patched layer."""
+    weight: Tensor
+    lora_a: Tensor
+    lora_b: Tensor
+    scaling: float
+    bias: Tensor | None
+    dropout_p: float
+    training: bool
+
+
+def _call_args(layer: nn.Module, x: Tensor, args: tuple = (), kwargs: dict | None = None) -> _Call | None:
+    """lora_linear's arguments for this call of a patched layer, from its one active adapter,
+    unmerged and suited; None for PEFT's forward."""
     if args or kwargs or layer.disable_adapters or layer.merged or not use_triton(x):
         return None
     active = [name for name in layer.active_adapters if name in layer.lora_A]
-    if len(active) != 1:
+    if len(active) != 1 or _unsuited_adapter(layer, active[0]):
         return None
     name = active[0]
     drop = layer.lora_dropout[name]
-    p = drop.p if isinstance(drop, nn.Dropout) else 0.0
-    return (_base_weight(layer), layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
-            layer.base_layer.bias, p, drop.training)
+    return _Call(_base_weight(layer), layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
+                 layer.base_layer.bias, drop.p if isinstance(drop, nn.Dropout) else 0.0, drop.training)
 
 
 def _forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-    call = _call_args(self, x, args, kwargs)
-    if call is None:
+    c = _call_args(self, x, args, kwargs)
+    if c is None:
         return type(self).forward(self, x, *args, **kwargs)
-    weight, lora_a, lora_b, scaling, bias, p, training = call
-    return ops.lora_linear(x, weight, lora_a, lora_b, scaling, bias, dropout_p=p, training=training)
+    return ops.lora_linear(x, c.weight, c.lora_a, c.lora_b, c.scaling, c.bias, dropout_p=c.dropout_p,
+                           training=c.training)
 
 
 class _SharedInputAdapters(torch.autograd.Function):
@@ -125,20 +143,21 @@ def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ..
     if len(layers) < 2 or not projections.nodes_run(x):
         return None
     calls = [_call_args(layer, x) if _patched(layer) else None for layer in layers]
-    if any(c is None or (c[5] > 0 and c[6]) for c in calls):
+    if any(c is None or (c.dropout_p > 0 and c.training) for c in calls):
         return None
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
     params = []
-    for weight, lora_a, lora_b, _, bias, _, _ in calls:
+    for c in calls:
+        weight, bias = c.weight, c.bias
         if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
-            if not torch.is_autocast_enabled(device):
-                return None  # PEFT's forward says what is wrong
-            weight, bias = weight.to(dtype), bias.to(dtype) if bias is not None else None
-        params += [weight, bias, lora_a, lora_b]
+            if not autocast:
+                return None  # each layer's own forward says what is wrong
+            weight, bias = weight.to(dtype), bias.to(dtype) if bias is not None else None  # as F.linear casts
+        params += [weight, bias, c.lora_a, c.lora_b]
     with torch.autocast(device, enabled=False):
-        outs = _SharedInputAdapters.apply(x.to(dtype), tuple(float(c[3]) for c in calls), *params)
-    return outs
+        return _SharedInputAdapters.apply(x.to(dtype), tuple(float(c.scaling) for c in calls), *params)
 
 
 def _patched(layer: nn.Module) -> bool:
