@@ -16,8 +16,9 @@ weight gradient needs it) in the same kernel pass that computes d_gate and d_up,
 cost of one write, where recomputing it separately reads gate and up again.
 
 Both apply to plain ``nn.Linear`` projections without hooks (``plain``; the MLP node also
-without biases, ``mlp_node``) where the Triton path runs (``nodes_run``); anything else
-(a PEFT LoRA layer, a quantised linear) is called as a module, as Hugging Face does. So
+without biases, ``mlp_node``) where the Triton path runs (``nodes_run``). PEFT LoRA layers
+that onepass patched share one node of their own (``lora.shared_linears``); anything else
+(a quantised linear, ...) is called as a module, as Hugging Face does. So
 is everything under torch.compile, which partitions the graph itself and would see these
 nodes as opaque (not measured with them: the compiled step's slowdown first blamed on
 them came from the training forward's cache setting, see ``common.causal_lm_forward``).
