@@ -11,8 +11,9 @@ not seen.
 Where several such layers read one input (q/k/v, gate/up; ``projections.linears`` asks
 ``shared_linears``), they run as one node whose backward adds their input gradients inside
 its GEMMs, as onepass does for plain linears: one Python node instead of three, and none of
-autograd's [tokens, hidden] add kernels. Not with dropout in training (each layer draws its
-own mask, PEFT's order kept by calling them one by one) nor under torch.compile.
+autograd's [tokens, hidden] add kernels for the base layers' gradients (with dropout, each
+layer's mask is drawn in PEFT's order, and the adapters' input gradients go back through
+their dropouts as in PEFT). Not under torch.compile.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from onepass import ops
@@ -105,18 +107,20 @@ def _forward(self, x: Tensor, *args, **kwargs) -> Tensor:
 
 class _SharedInputAdapters(torch.autograd.Function):
     """lora_linear(x, ...) for several LoRA linears reading one x (q/k/v, gate/up) as one
-    node, from x, the scalings and (weight, bias, lora_a, lora_b) per layer: backward adds
-    their input gradients inside its GEMMs instead of autograd's add kernels (as
-    ``projections.linears`` does for plain linears), and one Python node stands for them all."""
+    node, from x, the scalings and (weight, bias, lora_a, lora_b, x_a) per layer (x_a: the
+    layer's dropped input, None without dropout): backward adds their input gradients inside
+    its GEMMs instead of autograd's add kernels (as ``projections.linears`` does for plain
+    linears; a dropped input's gradient is returned on its own, through its dropout), and one
+    Python node stands for them all."""
 
     @staticmethod
     def forward(ctx, x, scalings, *params):
         outs, saved, ctx.meta = [], [x], []
         for i, scaling in enumerate(scalings):
-            weight, bias, lora_a, lora_b = params[4 * i:4 * i + 4]
-            y, t, a, b = lora_ops.lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, None)
+            weight, bias, lora_a, lora_b, x_a = params[5 * i:5 * i + 5]
+            y, t, a, b = lora_ops.lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, x_a)
             outs.append(y)
-            saved += [weight, a, b, t]
+            saved += [weight, a, b, t, x_a]
             ctx.meta.append((bias is not None, lora_a.dtype, lora_b.dtype))
         ctx.save_for_backward(*saved)
         ctx.scalings = scalings
@@ -128,26 +132,28 @@ class _SharedInputAdapters(torch.autograd.Function):
         needs = ctx.needs_input_grad
         dx, grads = None, []
         for i, (dy, scaling, (has_bias, a_dtype, b_dtype)) in enumerate(zip(dys, ctx.scalings, ctx.meta)):
-            weight, a, b, t = saved[4 * i:4 * i + 4]
-            n = needs[2 + 4 * i:6 + 4 * i]  # weight, bias, lora_a, lora_b
-            g = lora_ops.lora_bwd_launch(dy, x, weight, a, b, t, None, scaling, a_dtype, b_dtype, needs[0], n[0],
-                                          n[1] and has_bias, n[2], n[3], False, dx_into=dx)
+            weight, a, b, t, x_a = saved[5 * i:5 * i + 5]
+            n = needs[2 + 5 * i:7 + 5 * i]  # weight, bias, lora_a, lora_b, x_a
+            g = lora_ops.lora_bwd_launch(dy, x, weight, a, b, t, x_a, scaling, a_dtype, b_dtype, needs[0], n[0],
+                                          n[1] and has_bias, n[2], n[3], n[4] and x_a is not None, dx_into=dx)
             dx = g[0].view(-1, x.shape[-1]) if needs[0] else None
-            grads += [g[1], g[2] if has_bias else None, g[3], g[4]]
+            grads += [g[1], g[2] if has_bias else None, g[3], g[4], g[5]]
         return (dx.view(x.shape) if dx is not None else None), None, *grads
 
 
 def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ...] | None:
     """``layer(x)`` for each of several patched LoRA linears as one node; None (call them one
-    by one) unless every layer runs fused here without dropout and onepass's nodes run."""
+    by one) unless every layer runs fused here and onepass's nodes run. Dropout masks are
+    drawn layer by layer, in the order PEFT's forwards would draw them."""
     if len(layers) < 2 or not projections.nodes_run(x):
         return None
     calls = [_call_args(layer, x) if _patched(layer) else None for layer in layers]
-    if any(c is None or (c.dropout_p > 0 and c.training) for c in calls):
+    if any(c is None for c in calls):
         return None
     device = x.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    x = x.to(dtype)
     params = []
     for c in calls:
         weight, bias = c.weight, c.bias
@@ -155,9 +161,10 @@ def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ..
             if not autocast:
                 return None  # each layer's own forward says what is wrong
             weight, bias = weight.to(dtype), bias.to(dtype) if bias is not None else None  # as F.linear casts
-        params += [weight, bias, c.lora_a, c.lora_b]
+        x_a = F.dropout(x, c.dropout_p, True) if c.dropout_p > 0 and c.training else None
+        params += [weight, bias, c.lora_a, c.lora_b, x_a]
     with torch.autocast(device, enabled=False):
-        return _SharedInputAdapters.apply(x.to(dtype), tuple(float(c.scaling) for c in calls), *params)
+        return _SharedInputAdapters.apply(x, tuple(float(c.scaling) for c in calls), *params)
 
 
 def _patched(layer: nn.Module) -> bool:
