@@ -375,6 +375,11 @@ def test_peft_lora_falls_back_where_unfused(device):
         _assert_close(model(ids).logits, expected, "logits, merged")
         model.unmerge_adapter()
         _assert_close(model(ids).logits, expected, "logits, unmerged")
+        # a hook put on a base layer after optimize: PEFT's forward honours it
+        layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+        handle = layer.base_layer.register_forward_hook(lambda module, inputs, out: out)
+        _assert_close(model(ids).logits, expected, "logits, a hooked base layer")
+        handle.remove()
         # a DoRA adapter added after optimize, then made active: PEFT's forward runs it
         dora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True)
         for m in (model, ref):

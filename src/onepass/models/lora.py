@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from onepass import ops
 from onepass.models import common, projections
 from onepass.ops import lora as lora_ops
-from onepass.ops._launch import use_triton
+from onepass.ops._launch import autocast_inputs, use_triton
 
 
 def _lora_linear_class() -> type | None:
@@ -89,11 +89,12 @@ def _call_args(layer: nn.Module, x: Tensor, args: tuple = (), kwargs: dict | Non
     if args or kwargs or layer.disable_adapters or layer.merged or not use_triton(x):
         return None
     active = [name for name in layer.active_adapters if name in layer.lora_A]
-    if len(active) != 1 or _unsuited_adapter(layer, active[0]):
+    weight = _base_weight(layer)  # None if the base layer got a hook since optimize
+    if len(active) != 1 or weight is None or _unsuited_adapter(layer, active[0]):
         return None
     name = active[0]
     drop = layer.lora_dropout[name]
-    return _Call(_base_weight(layer), layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
+    return _Call(weight, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
                  layer.base_layer.bias, drop.p if isinstance(drop, nn.Dropout) else 0.0, drop.training)
 
 
@@ -150,20 +151,14 @@ def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ..
     calls = [_call_args(layer, x) if _patched(layer) else None for layer in layers]
     if any(c is None for c in calls):
         return None
-    device = x.device.type
-    autocast = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-    x = x.to(dtype)
+    x, bases = autocast_inputs(x, [t for c in calls for t in (c.weight, c.bias)])
+    if any(t is not None and t.dtype != x.dtype for t in bases):
+        return None  # each layer's own forward says what is wrong
     params = []
-    for c in calls:
-        weight, bias = c.weight, c.bias
-        if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
-            if not autocast:
-                return None  # each layer's own forward says what is wrong
-            weight, bias = weight.to(dtype), bias.to(dtype) if bias is not None else None  # as F.linear casts
+    for c, weight, bias in zip(calls, bases[0::2], bases[1::2]):
         x_a = F.dropout(x, c.dropout_p, True) if c.dropout_p > 0 and c.training else None
         params += [weight, bias, c.lora_a, c.lora_b, x_a]
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(x.device.type, enabled=False):
         return _SharedInputAdapters.apply(x, tuple(float(c.scaling) for c in calls), *params)
 
 

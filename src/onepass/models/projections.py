@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from onepass.models import lora
 from onepass.ops import activation
-from onepass.ops._launch import use_triton
+from onepass.ops._launch import autocast_inputs, use_triton
 
 
 def unhooked(module: nn.Module) -> bool:
@@ -61,15 +61,6 @@ def mlp_node(mlp: nn.Module) -> bool:
     """Whether a gated MLP's projections suit ``gated_mlp``: plain linears without biases."""
     projs = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     return plain(projs) and all(p.bias is None for p in projs)
-
-
-def _compute_dtype(x: Tensor, params: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
-    """x and the parameters in autocast's dtype when autocast is on (as F.linear casts them)."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return x, params
-    dtype = torch.get_autocast_dtype(device)
-    return x.to(dtype), [p.to(dtype) if p is not None else None for p in params]
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -115,7 +106,7 @@ def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
         adapters = lora.shared_linears(x, modules)  # PEFT LoRA linears: their own shared node
         return adapters if adapters is not None else tuple(m(x) for m in modules)
     params = [p for m in modules for p in (m.weight, m.bias)]
-    x, params = _compute_dtype(x, params)
+    x, params = autocast_inputs(x, params)
     with torch.autocast(x.device.type, enabled=False):
         outs = _SharedInput.apply(x, *params)
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
@@ -147,7 +138,7 @@ class _GatedMLP(torch.autograd.Function):
 def gated_mlp(mlp: nn.Module, x: Tensor, act: int) -> Tensor:
     """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, for an MLP that
     suits it (``mlp_node``) where nodes run (``nodes_run``)."""
-    x, (w_gate, w_up, w_down) = _compute_dtype(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
+    x, (w_gate, w_up, w_down) = autocast_inputs(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
                                                    mlp.down_proj.weight])
     with torch.autocast(x.device.type, enabled=False):
         return _GatedMLP.apply(x, act, w_gate, w_up, w_down)

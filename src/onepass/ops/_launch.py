@@ -81,6 +81,16 @@ def check_probability(name: str, p: float) -> None:
         raise ValueError(f"{name} must be in [0, 1), got {p}")
 
 
+def autocast_inputs(x: torch.Tensor, params: list[torch.Tensor | None]
+                    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """x and the parameters in autocast's dtype when autocast is on (as F.linear casts them)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, params
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), [p.to(dtype) if p is not None else None for p in params]
+
+
 # ------------------------------------------------------------------------- layouts
 
 

@@ -47,6 +47,7 @@ from onepass import reference
 from onepass.ops._gemm import accumulate_mm
 from onepass.ops._launch import (
     as_rows,
+    autocast_inputs,
     check_float,
     check_probability,
     check_same_device,
@@ -199,9 +200,7 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scali
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None:
             check_float(name, t)
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+    x, (weight, bias) = autocast_inputs(x, [weight, bias])
     _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p)
     with torch.autocast(x.device.type, enabled=False):
         if not use_triton(x):
