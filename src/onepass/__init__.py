@@ -11,8 +11,11 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {"ops": "onepass.ops", "reference": "onepass.reference", "analyze": "onepass.analyze", "optim": "onepass.optim"}
-# public functions -> their module (onepass.patching: a module named optimize would shadow the function)
-_LAZY_FUNCTIONS = dict.fromkeys(("optimize", "undo", "optimize_report", "reference_mode"), "onepass.patching")
+# public functions and classes -> their module (a module named like a function would shadow it once imported)
+_LAZY_FUNCTIONS = {
+    **dict.fromkeys(("optimize", "undo", "optimize_report", "reference_mode"), "onepass.patching"),
+    **dict.fromkeys(("generate", "Decoder"), "onepass.decoding"),
+}
 
 __all__ = ["__version__", *_LAZY, *_LAZY_FUNCTIONS]
 

@@ -1,0 +1,258 @@
+"""Generation with a static KV cache, each decode step replayed as one CUDA graph.
+
+At small batch a decode step is a few hundred kernels of a few microseconds each. Launched
+one by one from Python, the GPU waits on the host between them; captured once as a CUDA
+graph and replayed, the step costs one launch and its kernels run back to back, so a step
+approaches the time of reading the weights once (see ``onepass bench generate``).
+
+    decoder = onepass.Decoder(model, batch_size=1, max_len=1024)
+    tokens = decoder.generate(input_ids, max_new_tokens=256)   # [batch, prompt + new]
+    tokens = onepass.generate(model, input_ids, max_new_tokens=256)   # one-off
+
+How:
+- The KV cache is transformers' ``StaticCache``: fixed addresses, and the filled length
+  kept in a device tensor, so one captured step serves every position. The Decoder
+  allocates it once; each call resets it.
+- The prompt runs as one forward (prefill), outside the graph.
+- A decode step (the model on the last token, then the next token picked, the finished
+  flags and the positions advanced) reads and writes only the Decoder's own buffers, so
+  its graph replays with no host work but the launch. Sampling draws by the Gumbel-max
+  trick (the argmax of p / E with E ~ Exp(1) is distributed as p), graph-safe.
+- The first ``WARMUP_STEPS`` steps of the first call run eagerly (Triton compiles, cuBLAS
+  picks its kernels), then the step is captured; later calls replay the same graph.
+- A row is finished once it has produced an end-of-sequence token; its later tokens are
+  the pad token. The host reads the flags every ``CHECK_EVERY`` steps (one sync), so up to
+  that many steps may run after the last row ends; the result is cut where it ended, as
+  Hugging Face's ``generate`` returns it.
+
+It takes any transformers (v5) causal LM, optimized by onepass or not; greedy decoding
+gives the tokens of ``model.generate(do_sample=False)``. The graph needs a step whose work
+is decided on the GPU: cache layers with a sliding window (Gemma 2/3, Mistral with
+``sliding_window``) decide on host integers, so those models decode eagerly (same tokens,
+no graph; ``Decoder.graph_off`` says why). The model's mode is the caller's: call
+``model.eval()`` first, as for ``generate`` (dropout would run otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+WARMUP_STEPS = 2  # eager steps before the first capture
+CHECK_EVERY = 16  # decode steps between reads of the finished flags (each read is a host sync)
+
+
+def _as_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+class Decoder:
+    """A static KV cache for ``batch_size`` sequences of up to ``max_len`` tokens (prompt and
+    generated), the decoding settings, and the captured decode step.
+
+    ``do_sample=False`` decodes greedily; otherwise tokens are drawn from the softmax of the
+    logits over ``temperature``, kept to the ``top_k`` likeliest and to the smallest set whose
+    probability reaches ``top_p``. ``eos_token_id`` (an id or a list) and ``pad_token_id``
+    default to the model's ``generation_config``. ``cuda_graph`` defaults to True on a GPU.
+    """
+
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 cuda_graph: bool | None = None) -> None:
+        try:
+            from transformers import StaticCache
+        except ImportError as e:
+            raise ImportError("onepass.generate needs transformers (pip install 'onepass[hf]')") from e
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "get_output_embeddings"):
+            raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(max_len, int) or max_len < 2:
+            raise ValueError(f"max_len must be an int >= 2 (prompt and new tokens), got {max_len!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        device = next(model.parameters()).device
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
+        self.model, self.batch_size, self.max_len = model, batch_size, max_len
+        self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
+        generation = getattr(model, "generation_config", None)
+        eos = _as_list(eos_token_id if eos_token_id is not None else getattr(generation, "eos_token_id", None))
+        pad = pad_token_id if pad_token_id is not None else getattr(generation, "pad_token_id", None)
+        pad = pad if pad is not None else (eos[0] if eos else 0)
+        self.eos_token_ids, self.pad_token_id = eos, int(pad)
+        self.cache = StaticCache(config=config, max_cache_len=max_len)
+        self.graph_off = self._why_no_graph(device, cuda_graph)
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self._tokens = zeros(batch_size, max_len)  # prompt and generated tokens, by cache position
+        self._next = zeros(batch_size, 1)  # the token the next step reads ...
+        self._position = zeros(batch_size, 1)  # ... its position id ...
+        self._index = zeros(1)  # ... and its cache position (= its column in _tokens)
+        self._mask = zeros(batch_size, max_len, dtype=torch.bool)  # padded prompts only
+        self._finished = zeros(batch_size, dtype=torch.bool)
+        self._live_steps = zeros(1)  # tokens emitted while some row was unfinished
+        self._eos = torch.tensor(eos, dtype=torch.long, device=device)
+        self._pad = torch.tensor(self.pad_token_id, dtype=torch.long, device=device)
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # padded prompts or not -> the captured step
+
+    def _why_no_graph(self, device: torch.device, cuda_graph: bool | None) -> str | None:
+        if cuda_graph is False or (cuda_graph is None and device.type != "cuda"):
+            return "cuda_graph is off" if cuda_graph is False else f"the model is on {device}, not a GPU"
+        if any(getattr(self.cache, "is_sliding", ())):
+            return ("the cache has sliding-window layers, whose update branches on a host integer: "
+                    "a graph would replay the branch of its capture")
+        return None
+
+    # ------------------------------------------------------------------------ the step
+
+    def _pick(self, logits: Tensor) -> Tensor:
+        """The next token of each row from its last logits [batch, vocab]."""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(-1, descending=True)
+            # drop a token once the likelier ones already reach top_p (the likeliest is always kept)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+    def _emit(self, logits: Tensor) -> None:
+        """Pick each row's token for cache position ``_index`` and record it."""
+        token = self._pick(logits)
+        if self.eos_token_ids:
+            self._live_steps += (~self._finished).any()
+            token = torch.where(self._finished, self._pad, token)
+            self._finished |= torch.isin(token, self._eos)
+        self._next.copy_(token[:, None])
+        self._tokens.index_copy_(1, self._index, self._next)
+
+    def _step(self, padded: bool) -> None:
+        """One decode step: the model on ``_next``, then the token after it."""
+        if padded:
+            self._mask.index_fill_(1, self._index, True)
+        out = self.model(self._next, attention_mask=self._mask if padded else None, position_ids=self._position,
+                         past_key_values=self.cache, use_cache=True)
+        self._index += 1
+        self._position += 1
+        self._emit(out.logits[:, -1])
+
+    def _run_step(self, padded: bool, eager_steps: int) -> None:
+        """The step as a graph replay, or eagerly (before capture, or without graphs)."""
+        if self.graph_off is not None:
+            self._step(padded)
+            return
+        graph = self._graphs.get(padded)
+        if graph is None and eager_steps < WARMUP_STEPS:
+            # warm-up off the default stream, as torch.cuda.graph's capture will run
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(padded)
+            torch.cuda.current_stream().wait_stream(side)
+            return
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self._step(padded)
+            except Exception as e:
+                raise RuntimeError(
+                    f"capturing the decode step as a CUDA graph failed ({type(e).__name__}: {e}): the model's "
+                    "forward does something a graph cannot hold (a host sync, a CPU tensor, ...); "
+                    "Decoder(..., cuda_graph=False) decodes eagerly") from e
+            self._graphs[padded] = graph
+        graph.replay()
+
+    # ------------------------------------------------------------------------ the call
+
+    def _check(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None) -> bool:
+        """Validate a call; True when the prompts are (left-)padded."""
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long,
+                                                                                                torch.int):
+            raise TypeError("input_ids must be an integer tensor [batch, prompt length], got "
+                            + (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
+                               if isinstance(input_ids, Tensor) else type(input_ids).__name__))
+        batch, length = input_ids.shape
+        if batch != self.batch_size:
+            raise ValueError(f"input_ids has {batch} rows; this Decoder was built for batch_size={self.batch_size}")
+        if input_ids.device != self._tokens.device:
+            raise ValueError(f"input_ids is on {input_ids.device}, the model on {self._tokens.device}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if length < 1 or length + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt length {length} + max_new_tokens {max_new_tokens} must be within "
+                             f"1..max_len={self.max_len} (build the Decoder with a larger max_len)")
+        if attention_mask is None:
+            return False
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+        if bool(mask.all()):
+            return False
+        if not bool(mask[:, -1].all()):
+            raise ValueError("attention_mask pads on the right; decoder-only generation needs the padding on "
+                             "the left (tokenizer.padding_side = 'left'), every prompt ending at the last column")
+        return True
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None) -> Tensor:
+        """The prompts ``input_ids`` [batch, length] followed by up to ``max_new_tokens`` new tokens
+        each ([batch, length + new]). ``attention_mask`` marks left padding (1 = token, 0 = pad)."""
+        padded = self._check(input_ids, max_new_tokens, attention_mask)
+        length = input_ids.shape[1]
+        self.cache.reset()
+        self._tokens[:, :length] = input_ids
+        self._finished.zero_()
+        self._live_steps.zero_()
+        if padded:
+            mask = attention_mask.to(dtype=torch.bool, device=input_ids.device)
+            self._mask.zero_()
+            self._mask[:, :length] = mask
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        else:
+            positions = torch.arange(length, device=input_ids.device).expand(self.batch_size, length)
+        out = self.model(input_ids, attention_mask=self._mask if padded else None, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self._index.fill_(length)
+        self._position.copy_(positions[:, -1:] + 1)
+        self._emit(out.logits[:, -1])
+        del out
+        steps, eager_steps = 1, 0
+        while steps < max_new_tokens:
+            if self.eos_token_ids and steps % CHECK_EVERY == 0 and bool(self._finished.all()):
+                break
+            self._run_step(padded, eager_steps)
+            eager_steps += padded not in self._graphs
+            steps += 1
+        if self.eos_token_ids:
+            steps = int(self._live_steps)
+        return self._tokens[:, :length + steps].clone()
+
+
+def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None,
+             **settings) -> Tensor:
+    """``Decoder(model, batch, prompt + max_new_tokens, **settings).generate(...)``, once: the
+    cache and the graph are built for this call. To generate repeatedly, keep a ``Decoder``."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise TypeError("input_ids must be an integer tensor [batch, prompt length]")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    decoder = Decoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, **settings)
+    return decoder.generate(input_ids, max_new_tokens, attention_mask)
