@@ -4,6 +4,7 @@
                                 every op's self-check through Triton's interpreter
     onepass bench ops [...]     the op benchmarks (GPU)
     onepass bench train [...]   a whole training step of a built-in model (GPU)
+    onepass bench generate [...] generation with a built-in model: HF against onepass (GPU)
     onepass selfcheck           every op against its float64 reference, and its byte budget
     onepass analyze [...]       where a model's HBM bytes and launches go (no GPU needed)
 """
@@ -49,6 +50,13 @@ def _bench_train(args) -> int:
     return 0
 
 
+def _bench_generate(args) -> int:
+    from onepass.bench.generate import run
+
+    run(args.model, tuple(args.batch or (1, 8)), args.prompt, args.new, args.out, compile_hf=not args.no_compile)
+    return 0
+
+
 def _analyze(args) -> int:
     from onepass.analyze.cli import run
 
@@ -87,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
                              help="LoRA fine-tuning: PEFT rank-R adapters on every projection, base frozen")
     bench_train.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_train.set_defaults(fn=_bench_train)
+    bench_generate = bench.add_parser("generate", help="greedy generation: HF generate against onepass (GPU)")
+    bench_generate.add_argument("--model", default="llama-1b", help="a built-in model configuration")
+    bench_generate.add_argument("--batch", type=int, action="append", help="a batch size (repeatable; default 1, 8)")
+    bench_generate.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    bench_generate.add_argument("--new", type=int, default=256, help="new tokens")
+    bench_generate.add_argument("--no-compile", action="store_true",
+                                help="skip HF generate with a static cache and torch.compile (its compile takes minutes)")
+    bench_generate.add_argument("--out", default="benchmarks/results", help="results folder")
+    bench_generate.set_defaults(fn=_bench_generate)
     analyze = sub.add_parser("analyze", help="where a model's HBM bytes and launches go, and what fusing saves")
     from onepass.analyze.cli import add_arguments
 

@@ -1,0 +1,195 @@
+"""onepass.generate / onepass.Decoder: the tokens of Hugging Face's greedy generate (padded
+prompts, end-of-sequence tokens, sliding windows), sampling's settings, reuse of one
+Decoder, bad input; on a GPU, the replayed CUDA graph against eager decoding in bf16."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import tiny_models as tiny
+import torch
+
+import onepass
+from onepass.decoding import CHECK_EVERY, Decoder
+
+pytest.importorskip("transformers")
+
+PAD = 1  # never drawn in prompts below: HF reads a pad id inside a prompt as padding when no mask is given
+
+
+def _prompts(batch=2, seq=7, seed=3, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, tiny.VOCAB, (batch, seq), generator=g).to(device)
+
+
+def _hf(model, ids, new, **kw):
+    return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mistral"])
+def test_greedy_matches_hf(family):
+    model = tiny.build(family).eval()
+    ids = _prompts()
+    assert torch.equal(onepass.generate(model, ids, 12, pad_token_id=PAD), _hf(model, ids, 12))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_left_padded_prompts_match_hf(family):
+    model = tiny.build(family).eval()
+    ids = _prompts(batch=3)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, PAD)
+    ours = onepass.generate(model, ids, 10, attention_mask=mask, pad_token_id=PAD)
+    assert torch.equal(ours, _hf(model, ids, 10, attention_mask=mask))
+
+
+def test_end_of_sequence_matches_hf():
+    """Rows ending at different steps get the pad token after their end, and the output
+    stops where the last row ended, as HF returns it (past a check of the finished flags)."""
+    model = tiny.build("llama").eval()
+    ids = _prompts()
+    free = onepass.generate(model, ids, 8, eos_token_id=[], pad_token_id=PAD)
+    eos = [int(free[0, 7 + 2]), int(free[1, 7 + 5])]  # row 0 ends at its 3rd new token, row 1 by its 6th
+    ours = onepass.generate(model, ids, 3 * CHECK_EVERY, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(ours, _hf(model, ids, 3 * CHECK_EVERY, eos_token_id=eos))
+    assert ours.shape[1] <= 7 + 6 and (ours[0, 7 + 3:] == PAD).all()
+
+
+def test_decoder_reused_across_calls():
+    model = tiny.build("llama").eval()
+    decoder = Decoder(model, batch_size=2, max_len=32, pad_token_id=PAD)
+    for seq, new in ((7, 10), (4, 20), (7, 10)):
+        ids = _prompts(seq=seq, seed=seq)
+        assert torch.equal(decoder.generate(ids, new), _hf(model, ids, new))
+
+
+def test_optimized_model_same_tokens(device):
+    """Kernels through the interpreter on the CPU (fp32): the optimized model decodes the same tokens."""
+    ref = tiny.build("llama").to(device).eval()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    ids = _prompts(device=device)
+    assert torch.equal(onepass.generate(model, ids, 6), onepass.generate(ref, ids, 6))
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _decoder(**settings):
+    return Decoder(tiny.build("llama").eval(), batch_size=2, max_len=16, **settings)
+
+
+def test_sampling_follows_the_softmax():
+    """The Gumbel-max draw: token frequencies over many rows are the softmax of logits / temperature."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).expand(40000, 4)
+    drawn = _decoder(do_sample=True, temperature=0.5)._pick(logits)
+    freq = torch.bincount(drawn, minlength=4).float() / drawn.numel()
+    assert torch.allclose(freq, (logits[0] / 0.5).softmax(-1), atol=0.01)
+
+
+def test_top_k_and_top_p_keep_the_likeliest():
+    logits = torch.tensor([0.5, 0.3, 0.2, 0.0]).log().expand(4000, 4)  # probabilities 0.5, 0.3, 0.2, 0
+    top_k = _decoder(do_sample=True, top_k=2)._pick(logits)
+    assert set(top_k.tolist()) == {0, 1}
+    # smallest set reaching 0.7: {0, 1}; reaching 0.5: {0}
+    assert set(_decoder(do_sample=True, top_p=0.7)._pick(logits).tolist()) == {0, 1}
+    assert set(_decoder(do_sample=True, top_p=0.5)._pick(logits).tolist()) == {0}
+
+
+def test_sampling_reproducible_and_top_k_1_is_greedy():
+    model = tiny.build("llama").eval()
+    ids = _prompts()
+    torch.manual_seed(0)
+    first = onepass.generate(model, ids, 8, do_sample=True, temperature=1.5)
+    torch.manual_seed(0)
+    assert torch.equal(onepass.generate(model, ids, 8, do_sample=True, temperature=1.5), first)
+    greedy = onepass.generate(model, ids, 8)
+    assert torch.equal(onepass.generate(model, ids, 8, do_sample=True, top_k=1), greedy)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_raises_clearly():
+    model = tiny.build("llama").eval()
+    ids = _prompts()
+    decoder = Decoder(model, batch_size=2, max_len=12)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        decoder.generate(_prompts(batch=3), 2)
+    with pytest.raises(ValueError, match="max_len=12"):
+        decoder.generate(ids, 6)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate(ids, 0)
+    with pytest.raises(TypeError, match="input_ids"):
+        decoder.generate(ids.float(), 2)
+    right = torch.ones_like(ids)
+    right[0, -2:] = 0
+    with pytest.raises(ValueError, match="left"):
+        decoder.generate(ids, 2, attention_mask=right)
+    with pytest.raises(ValueError, match="attention_mask"):
+        decoder.generate(ids, 2, attention_mask=right[:, :3])
+    for bad, match in (({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                       ({"top_k": 0}, "top_k"), ({"cuda_graph": True}, "cuda_graph")):
+        with pytest.raises(ValueError, match=match):
+            Decoder(model, batch_size=2, max_len=12, **bad)
+    with pytest.raises(TypeError, match="causal LM"):
+        Decoder(torch.nn.Linear(2, 2), batch_size=1, max_len=4)
+
+
+# --------------------------------------------------------------------- GPU, bf16, graphs
+
+
+def _bf16_model(family: str):
+    import transformers as tf
+
+    configs = {
+        "llama": lambda: tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                                        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=32000, n_embd=1024, n_layer=4, n_head=16),
+    }
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(configs[family]()).cuda().bfloat16().eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("optimized", [False, True])
+def test_graph_replay_matches_eager(family, optimized):
+    """bf16: the captured step gives the eager loop's tokens, over several calls of one
+    Decoder (prompts padded or not: two graphs), with rows ending on their end token."""
+    model = _bf16_model(family)
+    if optimized:
+        onepass.optimize(model)
+    ids = torch.randint(2, 32000, (4, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    eager = Decoder(model, batch_size=4, max_len=256, cuda_graph=False, eos_token_id=[])
+    graphed = Decoder(model, batch_size=4, max_len=256, eos_token_id=[])
+    assert graphed.graph_off is None
+    for attention_mask in (None, mask, None):
+        want = eager.generate(ids, 100, attention_mask=attention_mask)
+        assert torch.equal(graphed.generate(ids, 100, attention_mask=attention_mask), want)
+    assert set(graphed._graphs) == {False, True}
+    eos = [int(want[0, 64 + 10]), int(want[2, 64 + 40])]
+    ended = [Decoder(model, batch_size=4, max_len=256, eos_token_id=eos, cuda_graph=g).generate(ids, 100)
+             for g in (False, None)]
+    assert torch.equal(*ended)
+
+
+@pytest.mark.gpu
+def test_sliding_window_cache_decodes_eagerly():
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_config(tf.Gemma2Config(
+        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=16)).cuda().bfloat16().eval()
+    decoder = Decoder(model, batch_size=1, max_len=64)
+    assert "sliding-window" in decoder.graph_off
+    ids = torch.randint(2, 32000, (1, 8), device="cuda")
+    assert decoder.generate(ids, 40).shape[1] <= 48
