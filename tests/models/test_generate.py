@@ -67,15 +67,38 @@ def test_decoder_reused_across_calls():
         assert torch.equal(decoder.generate(ids, new), _hf(model, ids, new))
 
 
-def test_optimized_model_same_tokens(device):
-    """Kernels through the interpreter on the CPU (fp32): the optimized model decodes the same tokens."""
+def test_optimized_model_same_tokens(device, monkeypatch):
+    """Kernels through the interpreter on the CPU (fp32): the optimized model decodes the same
+    tokens, its decode steps through decode_attention over the static cache (unpadded
+    prompts: 2 layers x 5 steps) or, with padded prompts, through SDPA with the mask."""
     ref = tiny.build("llama").to(device).eval()
     model = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         onepass.optimize(model)
+    calls = []
+    decode_attention = onepass.ops.decode_attention
+    monkeypatch.setattr(onepass.ops, "decode_attention", lambda *a, **k: calls.append(1) or decode_attention(*a, **k))
     ids = _prompts(device=device)
     assert torch.equal(onepass.generate(model, ids, 6), onepass.generate(ref, ids, 6))
+    assert len(calls) == 2 * 5
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ids = ids.masked_fill(mask == 0, PAD)
+    assert torch.equal(onepass.generate(model, ids, 6, attention_mask=mask),
+                       onepass.generate(ref, ids, 6, attention_mask=mask))
+    assert len(calls) == 2 * 5
+
+
+def test_argmax_in_pieces_is_argmax():
+    """The first index of the maximum, ties across and within pieces included."""
+    decoder = _decoder()
+    for vocab in (128256, 32000, 50257, 131):
+        logits = torch.randn(4, vocab).bfloat16()
+        logits[1, [7, vocab - 1]] = 100.0
+        logits[2] = 0.0
+        logits[3, [vocab // 2, vocab // 2 + 1]] = 50.0
+        assert torch.equal(decoder._argmax(logits), logits.argmax(-1)), vocab
 
 
 # --------------------------------------------------------------------------- sampling

@@ -370,6 +370,12 @@ def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -
 # --------------------------------------------------------------- rotary attention
 
 
+# The attribute of a KV cache through which onepass.Decoder passes, during its decode steps,
+# each sequence's valid cache length (int32 [batch], a device tensor): the attention
+# function "onepass" then runs decode_attention over the cache (no mask, no repeated k/v).
+DECODE_LENGTHS = "onepass_decode_lengths"
+
+
 def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
     """The attention block of the rotary families with RoPE done by ``rope`` on the
     [batch, seq, heads, dim] projections (no transposed copies); q/k norms (Qwen3, Gemma 3)
@@ -392,6 +398,9 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+            lengths = getattr(past_key_values, DECODE_LENGTHS, None)
+            if lengths is not None:
+                kwargs["cache_seqlens"] = lengths
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
         extra = {"softcap": self.attn_logit_softcapping} if passes_softcap else {}
         out, weights = attention(
@@ -431,15 +440,20 @@ def _eager_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                      sliding_window=None, softcap=None, **kwargs):
+                      sliding_window=None, softcap=None, cache_seqlens=None, **kwargs):
     """transformers attention function "onepass": [batch, heads, seq, dim] in, [batch, seq, heads, dim] out.
 
     The onepass kernel covers training and prefill (no explicit mask: causal, sliding window
-    and softcap are built in). A padding mask, attention dropout or a decode step (fewer
+    and softcap are built in). A decode step of ``onepass.Decoder`` (``cache_seqlens``: key
+    and value are the whole static cache, each row valid up to its length) runs
+    ``decode_attention``. A padding mask, attention dropout or another decode step (fewer
     queries than keys) goes to PyTorch's SDPA, or to the eager path when softcap is set.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if cache_seqlens is not None and sliding_window is None and dropout == 0.0:
+        out = ops.decode_attention(query, key, value, cache_seqlens, scale=scaling, softcap=softcap)
+        return out.transpose(1, 2), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and dropout == 0.0 and query.shape[2] == key.shape[2]:
         # HF's [b, h, s, d] are transposed views of the projections' [b, s, h, d]: hand the
