@@ -65,7 +65,8 @@ class Decoder:
     ``do_sample=False`` decodes greedily; otherwise tokens are drawn from the softmax of the
     logits over ``temperature``, kept to the ``top_k`` likeliest and to the smallest set whose
     probability reaches ``top_p``. ``eos_token_id`` (an id or a list) and ``pad_token_id``
-    default to the model's ``generation_config``. ``cuda_graph`` defaults to True on a GPU.
+    default to the model's ``generation_config``. ``cuda_graph`` defaults to True on a GPU
+    where the step can be captured (``graph_off`` says why not); True where it cannot raises.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, do_sample: bool = False,
@@ -123,8 +124,11 @@ class Decoder:
         if cuda_graph is False or (cuda_graph is None and device.type != "cuda"):
             return "cuda_graph is off" if cuda_graph is False else f"the model is on {device}, not a GPU"
         if any(getattr(self.cache, "is_sliding", ())):
-            return ("the cache has sliding-window layers, whose update branches on a host integer: "
-                    "a graph would replay the branch of its capture")
+            reason = ("the cache has sliding-window layers, whose update branches on a host integer: "
+                      "a graph would replay the branch of its capture")
+            if cuda_graph:
+                raise ValueError(f"cuda_graph=True cannot hold this model's decode step: {reason}")
+            return reason
         return None
 
     # ------------------------------------------------------------------------ the step
@@ -137,7 +141,7 @@ class Decoder:
         pieces = _pieces(vocab)
         if pieces == 1:
             return logits.argmax(-1)
-        values, within = logits.view(rows, pieces, vocab // pieces).max(-1)
+        values, within = logits.reshape(rows, pieces, vocab // pieces).max(-1)
         piece = values.argmax(-1, keepdim=True)  # the first piece holding the maximum
         return (piece * (vocab // pieces) + within.gather(-1, piece)).squeeze(-1)
 

@@ -207,6 +207,21 @@ def test_graph_replay_matches_eager(family, optimized):
 
 
 @pytest.mark.gpu
+def test_graph_replay_draws_fresh_noise():
+    """Sampling in the graph: each replay draws new noise (near-uniform at temperature 100:
+    most of 4 x 100 tokens differ), the same seed gives the same tokens, another seed others."""
+    model = _bf16_model("llama")
+    decoder = Decoder(model, batch_size=4, max_len=160, do_sample=True, temperature=100.0, eos_token_id=[])
+    ids = torch.randint(2, 32000, (4, 32), device="cuda")
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(decoder.generate(ids, 100)[:, 32:])
+    assert decoder._graphs and torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    assert runs[2].unique().numel() > 300
+
+
+@pytest.mark.gpu
 def test_sliding_window_cache_decodes_eagerly():
     import transformers as tf
 
@@ -215,5 +230,7 @@ def test_sliding_window_cache_decodes_eagerly():
         num_key_value_heads=2, head_dim=64, sliding_window=16)).cuda().bfloat16().eval()
     decoder = Decoder(model, batch_size=1, max_len=64)
     assert "sliding-window" in decoder.graph_off
+    with pytest.raises(ValueError, match="sliding-window"):
+        Decoder(model, batch_size=1, max_len=64, cuda_graph=True)
     ids = torch.randint(2, 32000, (1, 8), device="cuda")
     assert decoder.generate(ids, 40).shape[1] <= 48
