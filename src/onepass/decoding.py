@@ -52,6 +52,18 @@ def _pieces(vocab: int) -> int:
     return max(c for c in range(1, 129) if vocab % c == 0 and (c == 1 or vocab // c >= 256))
 
 
+def _check_request(input_ids: Tensor, max_new_tokens: int) -> None:
+    """What any generation call needs: integer prompts [batch, length >= 1], new tokens >= 1."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise TypeError("input_ids must be an integer tensor [batch, prompt length], got "
+                        + (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
+                           if isinstance(input_ids, Tensor) else type(input_ids).__name__))
+    if input_ids.shape[1] < 1:
+        raise ValueError("input_ids must hold at least one prompt token a row")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+
+
 def _as_list(ids) -> list[int]:
     if ids is None:
         return []
@@ -101,7 +113,8 @@ class Decoder:
         pad = pad if pad is not None else (eos[0] if eos else 0)
         self.eos_token_ids, self.pad_token_id = eos, int(pad)
         self.cache = StaticCache(config=config, max_cache_len=max_len)
-        self.graph_off = self._why_no_graph(device, cuda_graph)
+        sliding = any(getattr(self.cache, "is_sliding", ()))
+        self.graph_off = self._why_no_graph(device, cuda_graph, sliding)
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -115,15 +128,16 @@ class Decoder:
         self._live_steps = zeros(1)  # tokens emitted while some row was unfinished
         # each row's valid cache length in a decode step, for onepass attention (common.DECODE_LENGTHS);
         # not with sliding-window layers (their cache is not indexed by position)
-        self._lengths = None if any(getattr(self.cache, "is_sliding", ())) else zeros(batch_size, dtype=torch.int32)
+        self._lengths = None if sliding else zeros(batch_size, dtype=torch.int32)
         self._eos = torch.tensor(eos, dtype=torch.long, device=device)
         self._pad = torch.tensor(self.pad_token_id, dtype=torch.long, device=device)
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # padded prompts or not -> the captured step
 
-    def _why_no_graph(self, device: torch.device, cuda_graph: bool | None) -> str | None:
+    @staticmethod
+    def _why_no_graph(device: torch.device, cuda_graph: bool | None, sliding: bool) -> str | None:
         if cuda_graph is False or (cuda_graph is None and device.type != "cuda"):
             return "cuda_graph is off" if cuda_graph is False else f"the model is on {device}, not a GPU"
-        if any(getattr(self.cache, "is_sliding", ())):
+        if sliding:
             reason = ("the cache has sliding-window layers, whose update branches on a host integer: "
                       "a graph would replay the branch of its capture")
             if cuda_graph:
@@ -213,41 +227,36 @@ class Decoder:
 
     # ------------------------------------------------------------------------ the call
 
-    def _check(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None) -> bool:
-        """Validate a call; True when the prompts are (left-)padded."""
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long,
-                                                                                                torch.int):
-            raise TypeError("input_ids must be an integer tensor [batch, prompt length], got "
-                            + (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
-                               if isinstance(input_ids, Tensor) else type(input_ids).__name__))
+    def _check(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None) -> Tensor | None:
+        """Validate a call; the prompts' boolean mask when they are (left-)padded, else None."""
+        _check_request(input_ids, max_new_tokens)
         batch, length = input_ids.shape
         if batch != self.batch_size:
             raise ValueError(f"input_ids has {batch} rows; this Decoder was built for batch_size={self.batch_size}")
         if input_ids.device != self._tokens.device:
             raise ValueError(f"input_ids is on {input_ids.device}, the model on {self._tokens.device}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if length < 1 or length + max_new_tokens > self.max_len:
+        if length + max_new_tokens > self.max_len:
             raise ValueError(f"prompt length {length} + max_new_tokens {max_new_tokens} must be within "
                              f"1..max_len={self.max_len} (build the Decoder with a larger max_len)")
         if attention_mask is None:
-            return False
+            return None
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
                              f"got {tuple(attention_mask.shape)}")
         mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
         if bool(mask.all()):
-            return False
+            return None
         if not bool(mask[:, -1].all()):
             raise ValueError("attention_mask pads on the right; decoder-only generation needs the padding on "
                              "the left (tokenizer.padding_side = 'left'), every prompt ending at the last column")
-        return True
+        return mask
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None) -> Tensor:
         """The prompts ``input_ids`` [batch, length] followed by up to ``max_new_tokens`` new tokens
         each ([batch, length + new]). ``attention_mask`` marks left padding (1 = token, 0 = pad)."""
-        padded = self._check(input_ids, max_new_tokens, attention_mask)
+        mask = self._check(input_ids, max_new_tokens, attention_mask)
+        padded = mask is not None
         length = input_ids.shape[1]
         self.cache.reset()
         setattr(self.cache, DECODE_LENGTHS, None)  # the prefill attends as the model does
@@ -255,7 +264,6 @@ class Decoder:
         self._finished.zero_()
         self._live_steps.zero_()
         if padded:
-            mask = attention_mask.to(dtype=torch.bool, device=input_ids.device)
             self._mask.zero_()
             self._mask[:, :length] = mask
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -283,9 +291,6 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, attention
              **settings) -> Tensor:
     """``Decoder(model, batch, prompt + max_new_tokens, **settings).generate(...)``, once: the
     cache and the graph are built for this call. To generate repeatedly, keep a ``Decoder``."""
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        raise TypeError("input_ids must be an integer tensor [batch, prompt length]")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    _check_request(input_ids, max_new_tokens)  # before its sizes build the Decoder
     decoder = Decoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, **settings)
     return decoder.generate(input_ids, max_new_tokens, attention_mask)

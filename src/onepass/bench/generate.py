@@ -104,9 +104,9 @@ def run(model: str = "llama-1b", batches: tuple[int, ...] = (1, 8), prompt: int 
     env = environment(ceilings)
     torch.manual_seed(0)
     hf_model = build(model, device="cuda")
-    rows = []
+    rows, floors = [], {}
     for batch in batches:
-        floor = step_floor_ms(hf_model, batch, prompt, new, ceilings.copy_gbps)
+        floor = floors[batch] = step_floor_ms(hf_model, batch, prompt, new, ceilings.copy_gbps)
         log(f"batch {batch}: floor of a decode step {floor:.3f} ms")
         for name, call in _variants(hf_model, batch, prompt, new, compile_hf).items():
             row = Row(batch, name)
@@ -126,8 +126,7 @@ def run(model: str = "llama-1b", batches: tuple[int, ...] = (1, 8), prompt: int 
                 log(f"  {name}: failed: {row.error}")
             rows.append(row)
             torch.cuda.empty_cache()
-    summary = {"env": env, "model": model, "prompt": prompt, "new": new,
-               "floors_ms": {b: step_floor_ms(hf_model, b, prompt, new, ceilings.copy_gbps) for b in batches},
+    summary = {"env": env, "model": model, "prompt": prompt, "new": new, "floors_ms": floors,
                "rows": [asdict(r) for r in rows]}
     folder = Path(out_dir) / gpu_folder(env["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
