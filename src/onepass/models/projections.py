@@ -15,7 +15,11 @@ and up only: its backward rebuilds the product ``act(gate) * up`` (the down proj
 weight gradient needs it) in the same kernel pass that computes d_gate and d_up, at the
 cost of one write, where recomputing it separately reads gate and up again.
 
-Both apply to plain ``nn.Linear`` projections without hooks (``plain``; the MLP node also
+In a decode step (inference, at most ``decode_linear``'s MAX_ROWS tokens) both become matrix-vector
+products that only read their weights: q/k/v (gate/up) then run as one ``decode_linear``
+(``decode_gated_linear``, with the activation and product) launch, not one cuBLAS call each.
+
+All of this applies to plain ``nn.Linear`` projections without hooks (``plain``; the MLP node also
 without biases, ``mlp_node``) where the Triton path runs (``nodes_run``). PEFT LoRA layers
 that onepass patched share one node of their own (``lora.shared_linears``); anything else
 (a quantised linear, ...) is called as a module, as Hugging Face does. So
@@ -32,6 +36,7 @@ from torch import Tensor, nn
 
 from onepass.models import lora
 from onepass.ops import activation
+from onepass.ops.decode_linear import MAX_ROWS, MAX_WEIGHTS, decode_gated, decode_linear
 from onepass.ops._launch import autocast_inputs, use_triton
 
 
@@ -61,6 +66,13 @@ def mlp_node(mlp: nn.Module) -> bool:
     """Whether a gated MLP's projections suit ``gated_mlp``: plain linears without biases."""
     projs = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     return plain(projs) and all(p.bias is None for p in projs)
+
+
+def decoding(x: Tensor, params: list[Tensor | None]) -> bool:
+    """Whether ``x`` is a decode step's few rows with no gradient to track (``decode_linear``'s case)."""
+    if x.shape[-1] == 0 or x.numel() // x.shape[-1] > MAX_ROWS:
+        return False
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, *params))
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -107,6 +119,8 @@ def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
         return adapters if adapters is not None else tuple(m(x) for m in modules)
     params = [p for m in modules for p in (m.weight, m.bias)]
     x, params = autocast_inputs(x, params)
+    if decoding(x, params) and len(modules) <= MAX_WEIGHTS:
+        return decode_linear(x, params[0::2], params[1::2])
     with torch.autocast(x.device.type, enabled=False):
         outs = _SharedInput.apply(x, *params)
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
@@ -140,5 +154,7 @@ def gated_mlp(mlp: nn.Module, x: Tensor, act: int) -> Tensor:
     suits it (``mlp_node``) where nodes run (``nodes_run``)."""
     x, (w_gate, w_up, w_down) = autocast_inputs(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
                                                    mlp.down_proj.weight])
+    if decoding(x, [w_gate, w_up, w_down]):
+        return F.linear(decode_gated(x, w_gate, w_up, act), w_down)
     with torch.autocast(x.device.type, enabled=False):
         return _GatedMLP.apply(x, act, w_gate, w_up, w_down)

@@ -53,6 +53,7 @@ from onepass.ops._partials import sum_partials
 # Activation ids, compile-time constants of the kernels.
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU = {"tanh": GELU_TANH, "none": GELU_ERF}
+GATED_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}  # names -> ids
 
 # Tile settings: (BLOCK_M, BLOCK_N, num_warps). Without a bias the tensors are viewed as
 # one long row (TILE_FLAT). With a bias, backward programs loop down their columns

@@ -7,6 +7,7 @@ models write it: upcast to float32 (or keep float64), compute, cast back.
 
 from onepass.reference.attention import attention, decode_attention
 from onepass.reference.activation import bias_gelu, geglu, gelu, swiglu
+from onepass.reference.linear import decode_gated_linear, decode_linear
 from onepass.reference.lora import lora_linear as lora_linear
 from onepass.reference.loss import cross_entropy, linear_cross_entropy, logsumexp_argmax
 from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm

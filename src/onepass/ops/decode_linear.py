@@ -1,0 +1,247 @@
+"""Linear layers of a decode step: a few rows against several weights, in one launch.
+
+Math (x [M, K] with M <= MAX_ROWS, weights W_i [N_i, K], biases b_i [N_i]):
+
+    decode_linear:        y_i = x W_i^T + b_i                for i = 1..3 (q, k, v)
+    decode_gated_linear:  y   = act(x W_g^T + b_g) * (x W_u^T + b_u)   (gate, up)
+
+At a few rows a linear layer is a matrix-vector product: its time is the read of the
+weights. Byte budget (element size s):
+
+    op                     unfused (HF, cuBLAS)                    fused minimum
+    q, k, v projections    3 launches, read W_q, W_k, W_v          1 launch, read the weights once
+    gated MLP input        2 GEMVs + write/read gate, up + act     1 launch, read W_g, W_u; write y
+
+cuBLAS's matrix-vector kernels read small weights well below the copy bandwidth (H200,
+batch 1 decode step of Llama-3.2-1B: 0.4 TB/s on the 2 MiB k/v projections, 1.5 TB/s on
+the 8 MiB q/o, 3.2 TB/s on the 32 MiB MLP weights). Here each program owns BLOCK_N output
+features of one weight (the q, k and v tiles are one grid) and streams their rows over K
+with ``tl.dot`` on the rows padded to BLOCK_M, so the tensor cores do the arithmetic and
+the loads are all there is; the gated form owns the same features of both weights and
+applies the activation and product before its one store.
+
+Inference only: no autograd formula (a call that would need one raises). Rows above
+MAX_ROWS run cuBLAS (``F.linear``), which wins once the product is no longer a read of
+the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onepass import reference
+from onepass.ops._launch import (
+    as_rows,
+    cdiv,
+    check_float,
+    check_same_device,
+    interpreting,
+    launch,
+    next_power_of_2,
+    num_programs_for,
+    route,
+    use_triton,
+)
+from onepass.ops.activation import GATED_ACTIVATIONS, _act_and_grad
+from onepass.ops.attention import precision_for
+
+MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS (see below)
+MAX_WEIGHTS = 3
+# Launch settings, H200, bf16, weights streamed from HBM (a CUDA graph over copies of the
+# weights larger than L2; .scratch sweep of BLOCK_N 16/32/64 x BLOCK_K 128/256/512 x 4-8 warps x
+# 4-6 stages). BLOCK_N: the widest of 64/32/16 that still gives each 2 SMs a program (fewer
+# programs leave HBM idle: Llama-3.2-1B q/k/v at 32 features 6.35 us, at 64 slower; o_proj
+# [2048, 2048] at 16 features 5.67 us, at 32 5.96). BLOCK_K: 16 KB of weight a stage at 16 and
+# 32 features, 128 for the gated pair (Llama-3.2-1B gate/up 17.7 us against 19.1 at 256;
+# Llama-3.1-8B 55.9 us, 4.2 TB/s). 4 warps, 4 stages throughout (6 stages within 1%).
+# Against cuBLAS (and onepass's swiglu after it), 1 and 8 rows: Llama-3.2-1B q/k/v 6.4 us
+# against 17.5, gate/up 17.7-18.0 against 23.0, o_proj 5.7-5.9 against 6.0, down_proj 12.8-13.5
+# against 13.8-14.3; Llama-3.1-8B q/k/v 14.7-15.2 against 29.5, gate/up 55.9-56.0 against
+# 63.0-65.8. At 64 rows the gated pair lost (30.4 us against 26.2), hence MAX_ROWS.
+BLOCK_K = {16: 512, 32: 256, 64: 256}
+GATED_BLOCK_K = 128
+NUM_WARPS, NUM_STAGES = 4, 4
+INTERPRETER_CONFIG = (16, 64, 1, 1)
+SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (H100/H200: 227 KiB a block)
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _select(in1, in2, a, b, c):
+    """a for the tiles of weight 0, b for weight 1's, c for weight 2's."""
+    return tl.where(in2, c, tl.where(in1, b, a))
+
+
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
+    n_rows, n_in, n0, n1, n2, x_row_stride, tiles0, tiles1,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if GATED:  # every program: the same features of the gate (w0) and up (w1) weights
+        w_ptr, b_ptr, y_ptr, n_out, tile = w0_ptr, b0_ptr, y0_ptr, n0, pid
+    else:  # the grid runs the feature tiles of weight 0, then weight 1's, then weight 2's
+        in1, in2 = pid >= tiles0, pid >= tiles0 + tiles1
+        w_ptr, b_ptr, y_ptr = _select(in1, in2, w0_ptr, w1_ptr, w2_ptr), _select(in1, in2, b0_ptr, b1_ptr, b2_ptr), \
+            _select(in1, in2, y0_ptr, y1_ptr, y2_ptr)
+        n_out, tile = _select(in1, in2, n0, n1, n2), pid - _select(in1, in2, 0, tiles0, tiles0 + tiles1)
+    rows = tl.arange(0, BLOCK_M)
+    feats = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, feat_ok = rows < n_rows, feats < n_out
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    w_rows = feats.to(tl.int64)[:, None] * n_in  # weights are contiguous [N, K]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, n_in, BLOCK_K):
+        k_ok = k + ks < n_in
+        x = tl.load(x_rows + (k + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = feat_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if GATED:
+            u = tl.load(w1_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b1_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc, _ = _act_and_grad(acc, ACT, False)
+        acc = acc * acc_up
+    y = y_ptr + rows[:, None] * n_out + feats[None, :]  # outputs are contiguous [n_rows, n_out]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & feat_ok[None, :])
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+def _config(x: Tensor, block_m: int, n_features: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``n_features`` outputs in all (see BLOCK_K)."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    half_the_sms = num_programs_for(x.device) // 2
+    block_n = next((n for n in (64, 32) if cdiv(n_features, n) >= half_the_sms), 16)
+    block_k = GATED_BLOCK_K if gated else BLOCK_K[block_n]
+    per_stage = (block_m + (2 if gated else 1) * block_n) * block_k * x.element_size()
+    return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage))
+
+
+def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], act: int
+                          ) -> list[Tensor]:
+    """act < 0: one output per weight; else the gated product of weights[0] (gate) and [1] (up)."""
+    gated = act >= 0
+    x2 = as_rows(x)
+    n_rows, n_in = x2.shape
+    outs = [torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
+            for w in weights[:1 if gated else None]]
+    if n_rows == 0:
+        return outs
+    block_m = max(16, next_power_of_2(n_rows))
+    block_n, block_k, num_warps, num_stages = _config(x, block_m, sum(o.shape[-1] for o in outs), gated)
+    ws = [w.contiguous() for w in weights] + [weights[0]] * (MAX_WEIGHTS - len(weights))
+    has_bias = any(b is not None for b in biases)
+    bs = [b if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)] if has_bias else []
+    bs += [ws[0]] * (MAX_WEIGHTS - len(bs))
+    ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
+    ns = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
+    tiles = [cdiv(n, block_n) for n in ns]
+    launch(_decode_linear_kernel, (tiles[0] if gated else sum(tiles),),
+           x2, *ws, *bs, *ys, n_rows, n_in, *ns, x2.stride(0), tiles[0], tiles[1],
+           GATED=gated, ACT=max(act, 0), HAS_BIAS=has_bias, PRECISION=precision_for(x.dtype),
+           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return outs
+
+
+@torch.library.custom_op("onepass::decode_linear", mutates_args=())
+def _decode_linear(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], act: int) -> list[Tensor]:
+    return _decode_linear_launch(x, weights, biases, act)
+
+
+@_decode_linear.register_fake
+def _(x, weights, biases, act):
+    outs = weights[:1] if act >= 0 else weights
+    return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in outs]
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def _check(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]] | None) -> list[Optional[Tensor]]:
+    check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the input features)")
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"weights must be 1 to {MAX_WEIGHTS} tensors, got {len(weights)}")
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    if len(biases) != len(weights):
+        raise ValueError(f"biases must be one per weight ({len(weights)}), got {len(biases)}")
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        check_float(f"weights[{i}]", w)
+        if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+            raise ValueError(f"weights[{i}] must be [out_features, {x.shape[-1]}] (x's last dim), "
+                             f"got {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"weights[{i}] must have x's dtype {x.dtype}, got {w.dtype}")
+        if b is not None:
+            check_float(f"biases[{i}]", b)
+            if b.shape != (w.shape[0],) or b.dtype != x.dtype:
+                raise ValueError(f"biases[{i}] must be 1-D of length {w.shape[0]} and dtype {x.dtype}, "
+                                 f"got {tuple(b.shape)} {b.dtype}")
+    check_same_device(x=x, **{f"weights[{i}]": w for i, w in enumerate(weights)},
+                      **{f"biases[{i}]": b for i, b in enumerate(biases)})
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights, *biases)):
+        raise ValueError("decode_linear and decode_gated_linear are inference only (no autograd): call them under "
+                         "torch.no_grad() or on tensors that do not require grad; use F.linear for training")
+    return biases
+
+
+def _kernel_runs(x: Tensor) -> bool:
+    return use_triton(x) and x[..., 0].numel() <= MAX_ROWS if x.shape[-1] else use_triton(x)
+
+
+def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]] | None = None
+                  ) -> tuple[Tensor, ...]:
+    """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))`` in one launch (inference).
+
+    x [*, K]; 1 to 3 weights [N_i, K] of x's dtype (e.g. the q, k and v projections);
+    ``biases``: None or one optional [N_i] bias per weight. For at most MAX_ROWS rows of x
+    (a decode step); more rows run ``F.linear`` per weight.
+    """
+    biases = _check(x, list(weights), biases)
+    if not _kernel_runs(x):
+        return reference.decode_linear(x, weights, biases)
+    return tuple(route(_decode_linear, _decode_linear_launch, x)(x, list(weights), biases, -1))
+
+
+def decode_gated_linear(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str = "silu",
+                        gate_bias: Tensor | None = None, up_bias: Tensor | None = None) -> Tensor:
+    """``act(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)`` in one
+    launch (inference): a gated MLP's input side. ``activation``: "silu" (SwiGLU),
+    "gelu_tanh" or "gelu" (GeGLU, tanh-approximated or exact); rows as in ``decode_linear``."""
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(GATED_ACTIVATIONS)}, got {activation!r}")
+    return decode_gated(x, gate_weight, up_weight, GATED_ACTIVATIONS[activation], gate_bias, up_bias)
+
+
+def decode_gated(x: Tensor, gate_weight: Tensor, up_weight: Tensor, act: int, gate_bias: Tensor | None = None,
+                 up_bias: Tensor | None = None) -> Tensor:
+    """``decode_gated_linear`` for an activation id (activation.SILU, GELU_TANH, GELU_ERF), for
+    callers that pick the activation by id."""
+    biases = _check(x, [gate_weight, up_weight], [gate_bias, up_bias])
+    if gate_weight.shape != up_weight.shape:
+        raise ValueError(f"up_weight must have gate_weight's shape {tuple(gate_weight.shape)}, "
+                         f"got {tuple(up_weight.shape)}")
+    if not _kernel_runs(x):
+        name = next(k for k, v in GATED_ACTIVATIONS.items() if v == act)
+        return reference.decode_gated_linear(x, gate_weight, up_weight, name, gate_bias, up_bias)
+    return route(_decode_linear, _decode_linear_launch, x)(x, [gate_weight, up_weight], biases, act)[0]
