@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 from onepass.models import lora
 from onepass.ops import activation
-from onepass.ops.decode_linear import MAX_ROWS, MAX_WEIGHTS, decode_gated, decode_linear
 from onepass.ops._launch import autocast_inputs, use_triton
+from onepass.ops.decode_linear import MAX_ROWS, MAX_WEIGHTS, decode_gated, decode_linear
 
 
 def unhooked(module: nn.Module) -> bool:

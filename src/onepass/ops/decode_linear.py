@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -136,7 +135,7 @@ def _config(x: Tensor, block_m: int, n_features: int, gated: bool) -> tuple[int,
     return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage))
 
 
-def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], act: int
+def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], act: int
                           ) -> list[Tensor]:
     """act < 0: one output per weight; else the gated product of weights[0] (gate) and [1] (up)."""
     gated = act >= 0
@@ -176,7 +175,7 @@ def _(x, weights, biases, act):
 # ---------------------------------------------------------------- public functions
 
 
-def _check(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]] | None) -> list[Optional[Tensor]]:
+def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None) -> list[Tensor | None]:
     check_float("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the input features)")
@@ -209,7 +208,7 @@ def _kernel_runs(x: Tensor) -> bool:
     return use_triton(x) and x[..., 0].numel() <= MAX_ROWS if x.shape[-1] else use_triton(x)
 
 
-def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]] | None = None
+def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None = None
                   ) -> tuple[Tensor, ...]:
     """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))`` in one launch (inference).
 
