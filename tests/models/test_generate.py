@@ -14,6 +14,7 @@ import torch
 import onepass
 from onepass.decoding import CHECK_EVERY, Decoder
 from onepass.models import projections
+from onepass.ops import kv_cache
 
 pytest.importorskip("transformers")
 
@@ -71,8 +72,9 @@ def test_decoder_reused_across_calls():
 def test_optimized_model_same_tokens(device, monkeypatch):
     """Kernels through the interpreter on the CPU (fp32): the optimized model decodes the same
     tokens, its decode steps through decode_attention over the static cache (unpadded
-    prompts: 2 layers x 5 steps) or, with padded prompts, through SDPA with the mask; every
-    forward's MLP (prompt of 14 rows included) through decode_gated_linear."""
+    prompts: 2 layers x 5 steps, each appending k and v in one launch) or, with padded prompts,
+    through SDPA with the mask; every forward's MLP (prompt of 14 rows included) through
+    decode_gated_linear."""
     ref = tiny.build("llama").to(device).eval()
     model = copy.deepcopy(ref)
     with warnings.catch_warnings():
@@ -81,20 +83,22 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     calls = []
     decode_attention = onepass.ops.decode_attention
     monkeypatch.setattr(onepass.ops, "decode_attention", lambda *a, **k: calls.append(1) or decode_attention(*a, **k))
-    gated_calls = []
+    gated_calls, appends = [], []
     decode_gated = projections.decode_gated
     monkeypatch.setattr(projections, "decode_gated", lambda *a: gated_calls.append(1) or decode_gated(*a))
+    append = kv_cache.append_to_cache
+    monkeypatch.setattr(kv_cache, "append_to_cache", lambda *a: appends.append(1) or append(*a))
     ids = _prompts(device=device)
     eager = {"cuda_graph": False}  # every step through Python, so that the calls are counted
     assert torch.equal(onepass.generate(model, ids, 6, **eager), onepass.generate(ref, ids, 6, **eager))
-    assert len(calls) == 2 * 5
+    assert len(calls) == len(appends) == 2 * 5
     assert len(gated_calls) == 2 * 6
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     ids = ids.masked_fill(mask == 0, PAD)
     assert torch.equal(onepass.generate(model, ids, 6, attention_mask=mask, **eager),
                        onepass.generate(ref, ids, 6, attention_mask=mask, **eager))
-    assert len(calls) == 2 * 5
+    assert len(calls) == len(appends) == 2 * 5
     assert len(gated_calls) == 2 * 6 * 2
 
 

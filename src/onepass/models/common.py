@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from onepass import nn as onn
 from onepass import ops
 from onepass.models import projections, tied_embedding
-from onepass.ops import activation
+from onepass.ops import activation, kv_cache
 
 FUSED, UNFUSED = "fused", "unfused"
 RECOMPUTED = "on"  # the status of the recompute switch when something is recomputed
@@ -397,10 +397,10 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
         q, k = rope(q, k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
             lengths = getattr(past_key_values, DECODE_LENGTHS, None)
             if lengths is not None:
                 kwargs["cache_seqlens"] = lengths
+            k, v = _append(past_key_values, self.layer_idx, k, v, decoding=lengths is not None)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
         extra = {"softcap": self.attn_logit_softcapping} if passes_softcap else {}
         out, weights = attention(
@@ -413,6 +413,22 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     return forward
+
+
+def _append(cache, layer_idx: int, k: Tensor, v: Tensor, decoding: bool) -> tuple[Tensor, Tensor]:
+    """``cache.update(k, v, layer_idx)``; in a decode step of ``onepass.Decoder`` on a
+    transformers ``StaticLayer`` ready for these k and v, the same append in one launch
+    (``kv_cache.append_to_cache``) instead of the layer's five kernels."""
+    from transformers.cache_utils import StaticLayer
+
+    layer = cache.layers[layer_idx] if decoding else None
+    if (type(layer) is not StaticLayer or not layer.is_initialized or not projections.nodes_run(k)
+            or k.dtype != layer.keys.dtype or v.dtype != layer.values.dtype
+            or k.shape[:2] + k.shape[3:] != layer.keys.shape[:2] + layer.keys.shape[3:] or v.shape != k.shape
+            or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return cache.update(k, v, layer_idx)
+    kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v)
+    return layer.keys, layer.values
 
 
 def patch_rotary_attention(patches: Patches, layers, passes_softcap: bool = False) -> str:

@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from onepass.ops.kv_cache import append_to_cache
+
+
+@pytest.mark.parametrize("batch, heads, n_new, head_dim", [(2, 3, 1, 16), (1, 2, 3, 40), (3, 1, 2, 64)])
+def test_append_matches_static_layer_update(batch, heads, n_new, head_dim, device):
+    """As transformers' StaticLayer.update: k and v at positions [length, length + T), then
+    length += T; k and v as the attention hands them ([B, T, H, D] projections transposed)."""
+    cache_len, start = 9, 4
+    k_cache = torch.randn(batch, heads, cache_len, head_dim, device=device)
+    v_cache = torch.randn(batch, heads, cache_len, head_dim, device=device)
+    k = torch.randn(batch, n_new, heads, head_dim, device=device).transpose(1, 2)
+    v = torch.randn(batch, n_new, heads, head_dim, device=device).transpose(1, 2)
+    length = torch.tensor(start, device=device)
+    positions = torch.arange(n_new, device=device) + start
+    want_k = k_cache.clone().index_copy_(2, positions, k)
+    want_v = v_cache.clone().index_copy_(2, positions, v)
+    append_to_cache(k_cache, v_cache, length, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert length.item() == start + n_new
+
+
+def test_many_rows_loop(device):
+    """More rows than one loop step holds (4096 values: 64 rows of 64)."""
+    k_cache, v_cache = torch.zeros(2, 2, 200, 64, device=device), torch.zeros(2, 2, 200, 64, device=device)
+    k, v = torch.randn(2, 2, 40, 64, device=device), torch.randn(2, 2, 40, 64, device=device)
+    length = torch.tensor(150, device=device)
+    append_to_cache(k_cache, v_cache, length, k, v)
+    assert torch.equal(k_cache[:, :, 150:190], k) and torch.equal(v_cache[:, :, 150:190], v)
+    assert k_cache[:, :, :150].abs().sum() == 0 and k_cache[:, :, 190:].abs().sum() == 0
+    assert length.item() == 190
