@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from onepass.models import lora
 from onepass.ops import activation
 from onepass.ops._launch import autocast_inputs, use_triton
-from onepass.ops.decode_linear import MAX_ROWS, MAX_WEIGHTS, decode_gated, decode_linear
+from onepass.ops.decode_linear import MAX_WEIGHTS, decode_gated, decode_linear, rows_fit
 
 
 def unhooked(module: nn.Module) -> bool:
@@ -71,7 +71,7 @@ def mlp_node(mlp: nn.Module) -> bool:
 
 def decoding(x: Tensor, params: list[Tensor | None]) -> bool:
     """Whether ``x`` is a decode step's few rows with no gradient to track (``decode_linear``'s case)."""
-    if x.shape[-1] == 0 or x.numel() // x.shape[-1] > MAX_ROWS:
+    if not rows_fit(x):
         return False
     return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, *params))
 

@@ -76,6 +76,23 @@ def check_vector(name: str, t: torch.Tensor | None, length: int) -> None:
                          f"got shape {tuple(t.shape)}")
 
 
+def check_linear(x_name: str, x: torch.Tensor, weight_name: str, weight: torch.Tensor, bias_name: str,
+                 bias: torch.Tensor | None, out_name: str = "out_features") -> None:
+    """A linear layer's weight [out, K] and optional bias [out], both in the dtype of its input x [*, K]."""
+    check_float(weight_name, weight)
+    k = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"{weight_name} must be [{out_name}, {k}] ({x_name}'s last dim), got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{weight_name} must have {x_name}'s dtype {x.dtype}, got {weight.dtype}")
+    if bias is not None:
+        check_float(bias_name, bias)
+        n = weight.shape[0]
+        if bias.shape != (n,) or bias.dtype != x.dtype:
+            raise ValueError(f"{bias_name} must be 1-D of length {n} and dtype {x.dtype}, "
+                             f"got {tuple(bias.shape)} {bias.dtype}")
+
+
 def check_probability(name: str, p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")

@@ -39,6 +39,7 @@ from onepass.ops._launch import (
     as_rows,
     cdiv,
     check_float,
+    check_linear,
     check_same_device,
     interpreting,
     launch,
@@ -185,17 +186,7 @@ def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None)
     if len(biases) != len(weights):
         raise ValueError(f"biases must be one per weight ({len(weights)}), got {len(biases)}")
     for i, (w, b) in enumerate(zip(weights, biases)):
-        check_float(f"weights[{i}]", w)
-        if w.dim() != 2 or w.shape[1] != x.shape[-1]:
-            raise ValueError(f"weights[{i}] must be [out_features, {x.shape[-1]}] (x's last dim), "
-                             f"got {tuple(w.shape)}")
-        if w.dtype != x.dtype:
-            raise TypeError(f"weights[{i}] must have x's dtype {x.dtype}, got {w.dtype}")
-        if b is not None:
-            check_float(f"biases[{i}]", b)
-            if b.shape != (w.shape[0],) or b.dtype != x.dtype:
-                raise ValueError(f"biases[{i}] must be 1-D of length {w.shape[0]} and dtype {x.dtype}, "
-                                 f"got {tuple(b.shape)} {b.dtype}")
+        check_linear("x", x, f"weights[{i}]", w, f"biases[{i}]", b)
     check_same_device(x=x, **{f"weights[{i}]": w for i, w in enumerate(weights)},
                       **{f"biases[{i}]": b for i, b in enumerate(biases)})
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights, *biases)):
@@ -204,8 +195,13 @@ def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None)
     return biases
 
 
+def rows_fit(x: Tensor) -> bool:
+    """Whether x [*, K] has at most MAX_ROWS rows, the kernel's case."""
+    return x.shape[-1] == 0 or x.numel() // x.shape[-1] <= MAX_ROWS
+
+
 def _kernel_runs(x: Tensor) -> bool:
-    return use_triton(x) and x[..., 0].numel() <= MAX_ROWS if x.shape[-1] else use_triton(x)
+    return use_triton(x) and rows_fit(x)
 
 
 def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None = None

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._gemm import accumulate_mm
-from onepass.ops._launch import as_rows, cdiv, check_float, check_same_device, flat, use_triton
+from onepass.ops._launch import as_rows, cdiv, check_float, check_linear, check_same_device, flat, use_triton
 from onepass.ops.cross_entropy import (
     ce_rows,
     check_loss_options,
@@ -216,15 +216,7 @@ def _check(hidden, weight, target, bias, accum_dtype, chunk_size):
     check_float("weight", weight)
     if hidden.dim() == 0:
         raise ValueError("hidden must have at least one dimension (the features)")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}] (hidden's last dim), got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if bias is not None:
-        check_float("bias", bias)
-        if bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype:
-            raise ValueError(f"bias must be 1-D of length {weight.shape[0]} and dtype {hidden.dtype}, "
-                             f"got {tuple(bias.shape)} {bias.dtype}")
+    check_linear("hidden", hidden, "weight", weight, "bias", bias, out_name="vocab")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
     if chunk_size is not None and chunk_size < 1:

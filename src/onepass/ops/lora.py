@@ -49,6 +49,7 @@ from onepass.ops._launch import (
     as_rows,
     autocast_inputs,
     check_float,
+    check_linear,
     check_probability,
     check_same_device,
     eager_autograd,
@@ -167,14 +168,8 @@ def _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
     check_float("lora_b", lora_b)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the features)")
-    k = x.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(f"weight must be [out_features, {k}] (x's last dim), got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
-    n = weight.shape[0]
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be 1-D of length {n} and dtype {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    check_linear("x", x, "weight", weight, "bias", bias)
+    k, n = x.shape[-1], weight.shape[0]
     if lora_a.dim() != 2 or lora_a.shape[0] < 1 or lora_a.shape[1] != k:
         raise ValueError(f"lora_a must be [rank, {k}] with rank >= 1, got {tuple(lora_a.shape)}")
     rank = lora_a.shape[0]
