@@ -4,8 +4,7 @@
 
 Prints SDPA (flash, cuDNN) beside onepass, each kernel's own time (torch.profiler) for the
 default settings, then each forward, dK/dV and dQ setting in turn (the others at their
-defaults) with the time of the kernel it changes, and the dK/dV settings again with dQ added
-by atomics inside the dK/dV kernel. ops/attention.py's CONFIGS cite the result.
+defaults) with the time of the kernel it changes. ops/attention.py's CONFIGS cite the result.
 """
 
 import sys
@@ -105,7 +104,3 @@ if __name__ == "__main__":
     sweep("dq", [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3),
                  (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 2), (32, 64, 4, 3)],
           "dq_kernel")
-    attention_module.DQ_ATOMIC = True
-    print("dQ by atomics in the dK/dV kernel (its time, plus the fp32 buffer's fill and cast below):")
-    show("onepass fwd+bwd, atomic dQ", fwd_bwd(ours))
-    sweep("dkdv", [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2)], "dkdv")

@@ -141,21 +141,6 @@ def test_program_order_in_head_chunks(l2_bytes, causal, varlen, device, monkeypa
         _check(q, k, v, torch.float32, causal=causal)
 
 
-@pytest.mark.parametrize("varlen", [False, True])
-def test_dq_by_atomics(varlen, device, monkeypatch):
-    """The FlashAttention-2 backward (dQ added with atomics in the dK/dV kernel) gives the same gradients."""
-    import sys
-
-    monkeypatch.setattr(sys.modules["onepass.ops.attention"], "DQ_ATOMIC", True)
-    if varlen:
-        cu = torch.tensor([0, 17, 18, 58], dtype=torch.int32, device=device)
-        q, k, v = _qkv((58, 4, 16), (58, 2, 16), torch.float32, device)
-        _check(q, k, v, torch.float32, use_lse=True, causal=True, window=9, layout="bshd", cu_seqlens=cu)
-    else:
-        q, k, v = _qkv((1, 4, 40, 24), (1, 1, 33, 24), torch.float32, device)
-        _check(q, k, v, torch.float32, softcap=3.0, window=(6, 2))
-
-
 def test_torch_compile_fullgraph(device):
     q, k, v = (t.requires_grad_(True) for t in _qkv((1, 4, 20, 16), (1, 2, 20, 16), torch.float32, device))
 

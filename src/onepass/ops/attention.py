@@ -40,10 +40,12 @@ the first key blocks), so the short ones fill the tail. At Llama-3.2-1B's attent
 against one head's blocks after another, the dK/dV kernel went from 499 to 407 us at the
 same settings (365 at the settings swept afterwards), dQ 217 -> 204, the forward 200 -> 186.
 
-Backward (FA2, no atomics): a preprocess kernel computes delta; a kernel over key blocks
-accumulates dK and dV in registers, looping over the query blocks and over all q heads of
-its kv group (so GQA needs no per-q-head dK/dV copies and no reduction afterwards); a
-kernel over query blocks accumulates dQ.
+Backward (FA2, no atomics), two kernels: one over query blocks accumulates dQ, and first
+computes its block's delta (read of O and dO it mostly has in hand) and stores it; then one
+over key blocks accumulates dK and dV in registers, looping over the query blocks and over
+all q heads of its kv group (so GQA needs no per-q-head dK/dV copies and no reduction
+afterwards), reading that delta. A separate preprocess kernel for delta (FlashAttention's
+way) cost 19 us a layer at Llama-3.2-1B's attention in the H200 train step (0.3 ms a step).
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
@@ -110,14 +112,13 @@ CONFIGS = {
     "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
     "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
 }
-# dQ in the backward: False runs its own kernel over query blocks (recomputes the scores
-# and dP: 3.5x the forward's FLOPs in all, no atomics); True adds each key block's share
-# into an fp32 buffer with atomics inside the dK/dV kernel (FlashAttention-2's way: 2.5x
-# the forward's FLOPs, plus the atomic traffic and one cast). H200, bf16, 32 heads of 128,
-# 16384 tokens, fwd+bwd: the separate kernel 9.95 / 5.50 ms at S=4096 full / causal and
-# 39.3 / 19.8 ms at S=16384, the atomics 11.4 / 6.30 and 44.1 / 22.2 ms. Head dim 64 at
+# dQ has its own kernel over query blocks (it recomputes the scores and dP: 3.5x the
+# forward's FLOPs in all, no atomics). Measured and dropped: each key block's share added
+# into an fp32 buffer with atomics inside the dK/dV kernel (FlashAttention-2's way: 2.5x the
+# forward's FLOPs, plus the atomic traffic and one cast). H200, bf16, 32 heads of 128, 16384
+# tokens, fwd+bwd: the separate kernel 9.95 / 5.50 ms at S=4096 full / causal and 39.3 /
+# 19.8 ms at S=16384, the atomics 11.4 / 6.30 and 44.1 / 22.2 ms. Head dim 64 at
 # Llama-3.2-1B's attention: the dK/dV kernel with atomics 728 us, against 364 + 200 apart.
-DQ_ATOMIC = False
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
@@ -340,52 +341,25 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _attn_bwd_preprocess_kernel(
-    o_ptr, do_ptr, dlse_ptr, delta_ptr, cu_seqlens_ptr,
-    o_stride_b, o_stride_h, o_stride_s, do_stride_b, do_stride_h, do_stride_s, lse_stride_b, lse_stride_h,
-    seqlen_q, n_heads, n_seqs, total, n_blocks, chunk_heads,
-    HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr,
-):
-    """delta = rowsum(dO * O) - dLSE, in the LSE's layout."""
-    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, n_blocks,
-                                               chunk_heads, BLOCK_M, VARLEN, BLOCK_SEQS, False)
-    b64, h64, row64 = b.to(tl.int64), h.to(tl.int64), row_start.to(tl.int64)
-    rows = m_block * BLOCK_M + _arange(BLOCK_M, LONG)
-    offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s, rows, o_stride_s, offs_d,
-                   length, True, HEAD_DIM, BLOCK_D)
-    do = _load_rows(do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s, rows, do_stride_s, offs_d,
-                    length, True, HEAD_DIM, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    at = b64 * lse_stride_b + h64 * lse_stride_h + row64 + rows
-    if HAS_DLSE:
-        delta -= tl.load(dlse_ptr + at, mask=rows < length, other=0.0)
-    tl.store(delta_ptr + at, delta, mask=rows < length)
-
-
-@triton.jit
-def _load_stats(lse_ptr, delta_ptr, at, rows, n_rows):
-    """LSE (log2 units) and delta of some query rows; rows that see nothing get LSE +inf, so p = 0."""
+def _load_lse(lse_ptr, at, rows, n_rows):
+    """LSE (log2 units) of some query rows; rows that see nothing get +inf, so p = 0."""
     lse = tl.load(lse_ptr + at, mask=rows < n_rows, other=float("inf")) * LOG2E
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    return lse, tl.load(delta_ptr + at, mask=rows < n_rows, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_row_stride, do_row_stride, dq_row_stride, lse_base,
-                delta_base, start, end, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_base, delta_base, start, end,
+                k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                 MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                PRECISION: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of one key block from the query tiles [start, end), in the transposed
-    orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q (and, with DQ_ATOMIC,
-    dq += scale * ds k added into fp32 dQ)."""
+    orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = _load_rows(q_base, rows, q_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
         do = _load_rows(do_base, rows, do_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
-        lse, delta = _load_stats(lse_base, delta_base, rows, rows, seqlen_q)
+        lse = _load_lse(lse_base, rows, rows, seqlen_q)
+        delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
         sT, tT = _scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), scale, softcap, SOFTCAP)
         if MASKED:
             ok = _visible(rows[None, :], k_idx[:, None], seqlen_q, seqlen_k, offset, before, after,
@@ -399,22 +373,17 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_row_stride, do_row_str
             dsT *= 1.0 - tT * tT
         dsT = dsT.to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
-        if DQ_ATOMIC:
-            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION) * scale
-            mask = (rows < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            tl.atomic_add(dq_base + rows[:, None] * dq_row_stride + offs_d[None, :], dq, mask=mask, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
     do_stride_b, do_stride_h, do_stride_s, dk_stride_b, dk_stride_h, dk_stride_s,
-    dv_stride_b, dv_stride_h, dv_stride_s, dq_stride_b, dq_stride_h, dq_stride_s, lse_stride_b, lse_stride_h,
+    dv_stride_b, dv_stride_h, dv_stride_s, lse_stride_b, lse_stride_h,
     seqlen_q, seqlen_k, n_kv_heads, group, n_seqs, total, n_blocks, chunk_heads, scale, softcap, before, after,
-    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    VARLEN: tl.constexpr,
+    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -443,20 +412,19 @@ def _attn_bwd_dkdv_kernel(
         h64 = hk64 * group + g
         q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
         do_base = do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s
-        dq_base = dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s
         stats = b64 * lse_stride_b + h64 * lse_stride_h + row64
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_stride_s, do_stride_s, dq_stride_s,
-                             lse_ptr + stats, delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k,
-                             offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP,
-                             DQ_ATOMIC, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_stride_s, do_stride_s, dq_stride_s,
-                             lse_ptr + stats, delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k,
-                             offset, before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP,
-                             DQ_ATOMIC, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, dq_base, q_stride_s, do_stride_s, dq_stride_s,
-                             lse_ptr + stats, delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k,
-                             offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP,
-                             DQ_ATOMIC, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                             delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before,
+                             after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_M,
+                             BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                             delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before,
+                             after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_M,
+                             BLOCK_D, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                             delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before,
+                             after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_M,
+                             BLOCK_D, PRECISION)
     rows = k_idx
     _store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
                 seqlen_k, dk * scale, HEAD_DIM)
@@ -490,14 +458,16 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_row_stride, v_row_stride,
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
-    do_stride_b, do_stride_h, do_stride_s, dq_stride_b, dq_stride_h, dq_stride_s, lse_stride_b, lse_stride_h,
+    o_stride_b, o_stride_h, o_stride_s, do_stride_b, do_stride_h, do_stride_s, dq_stride_b, dq_stride_h, dq_stride_s,
+    lse_stride_b, lse_stride_h,
     seqlen_q, seqlen_k, n_heads, group, n_seqs, total, n_blocks, chunk_heads, scale, softcap, before, after,
-    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
+    BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DLSE: tl.constexpr,
+    VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """dQ of one query block; first its delta = rowsum(dO * O) - dLSE, stored for the dK/dV kernel."""
     b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, n_blocks,
                                                chunk_heads, BLOCK_M, VARLEN, BLOCK_SEQS, BOUND_AFTER)
     if VARLEN:
@@ -513,8 +483,14 @@ def _attn_bwd_dq_kernel(
                    seqlen_q, True, HEAD_DIM, BLOCK_D)
     do = _load_rows(do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s, rows, do_stride_s, offs_d,
                     seqlen_q, True, HEAD_DIM, BLOCK_D)
+    o = _load_rows(o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s, rows, o_stride_s, offs_d,
+                   seqlen_q, True, HEAD_DIM, BLOCK_D)
     stats = b64 * lse_stride_b + h64 * lse_stride_h + row64 + rows
-    lse, delta = _load_stats(lse_ptr, delta_ptr, stats, rows, seqlen_q)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + stats, mask=rows < seqlen_q, other=0.0)
+    tl.store(delta_ptr + stats, delta, mask=rows < seqlen_q)
+    lse = _load_lse(lse_ptr, stats, rows, seqlen_q)
     k_base = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
     v_base = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -648,33 +624,23 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
                   LONG=g.long_offsets(q, k, v, o, do, dq, dk, dv))
     masks = (scale, softcap or 1.0, before, after)
 
-    block_m = launch_config("dq", g.head_dim, q.dtype)[0]
-    grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, 0, uneven=False)
-    launch(_attn_bwd_preprocess_kernel, grid,
-        o, do, dlse if dlse is not None else lse, delta, g.cu(lse),
-        *g.strides(o), *g.strides(do), *g.lse_strides(), g.seqlen_q, g.heads, *seq_args,
-        HAS_DLSE=dlse is not None, VARLEN=g.varlen, HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_D=g.block_d,
-        BLOCK_SEQS=g.block_seqs, LONG=common["LONG"],
-    )
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if DQ_ATOMIC else dq
-    block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
-    q_reread = g.reread_bytes(g.seqlen_q, q.element_size()) * g.group  # Q and dO of a kv head's q heads
-    grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, q_reread, uneven=after >= 0)
-    launch(_attn_bwd_dkdv_kernel, grid,
-        q, k, v, do, lse, delta, dk, dv, dq_acc, g.cu(lse),
-        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
-        *g.strides(dq_acc), *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *seq_args, *masks,
-        DQ_ATOMIC=DQ_ATOMIC, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
-    )
-    if DQ_ATOMIC:
-        return dq.copy_(dq_acc), dk, dv
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
     launch(_attn_bwd_dq_kernel, grid,
-        q, k, v, do, lse, delta, dq, g.cu(lse),
-        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dq), *g.lse_strides(),
-        g.seqlen_q, g.seqlen_k, g.heads, g.group, *seq_args, *masks,
+        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, g.cu(lse),
+        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.strides(do), *g.strides(dq),
+        *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.heads, g.group, *seq_args, *masks,
+        HAS_DLSE=dlse is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        **common,
+    )
+    block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
+    q_reread = g.reread_bytes(g.seqlen_q, q.element_size()) * g.group  # Q and dO of a kv head's q heads
+    grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, q_reread, uneven=after >= 0)
+    launch(_attn_bwd_dkdv_kernel, grid,
+        q, k, v, do, lse, delta, dk, dv, g.cu(lse),
+        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
+        *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *seq_args, *masks,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )
     return dq, dk, dv
