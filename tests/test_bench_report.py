@@ -1,7 +1,5 @@
 """The benchmark reports: each row's time, its GPU-only time, dashes for what was not measured; the train
-bench's rounds and its isolation of one variant's module patches from the next."""
-
-import sys
+bench's rounds and its measurement of each variant in a process of its own."""
 
 from onepass.bench.harness import Row, to_markdown
 
@@ -50,21 +48,22 @@ def test_train_rounds_combine_into_one_row():
     assert _combine([a, Result("onepass", error="OutOfMemoryError: x")]).error == "OutOfMemoryError: x"
 
 
-def test_names_a_variant_rebinds_in_a_module_are_put_back():
-    import types
+def test_each_train_variant_is_measured_in_a_process_of_its_own(monkeypatch):
+    """The row comes back from a fresh process as JSON (here a failed one: an unknown model),
+    and a process that dies gives a failed row with its exit code."""
+    import sys
 
-    from onepass.bench.train import _module_names_restored
+    from onepass.bench.train import _measure_apart
 
-    module = types.ModuleType("onepass_test_module")
-    module.LlamaMLP = "original"
-    sys.modules[module.__name__] = module
-    try:
-        with _module_names_restored(module.__name__):
-            module.LlamaMLP = "patched"
-            module.added = 1
-        assert module.LlamaMLP == "original" and not hasattr(module, "added")
-    finally:
-        del sys.modules[module.__name__]
+    lines = []
+    row = _measure_apart("eager", "no-such-model", 1, 8, 0, lines.append)
+    assert row.variant == "eager" and row.tokens_per_s is None
+    assert row.error == ("ValueError: model: unknown name 'no-such-model'; expected one of ['gpt2', 'gpt2-tiny', "
+                         "'llama-1b', 'llama-tiny']")
+    assert lines == [f"  eager                  failed: {row.error}"]
+    monkeypatch.setattr(sys, "executable", "false")  # a process that prints nothing and exits 1
+    assert _measure_apart("eager", "llama-tiny", 1, 8, 0, lines.append).error == (
+        "the measuring process exited with code 1: ")
 
 
 def test_train_floor_counts_what_trains():

@@ -20,6 +20,14 @@ step's start until the host has queued enough work again: the gap between the tw
 is host time that a variant's Python, launches or own syncs (Liger's loss reads a count
 back every step) leave the GPU waiting for.
 
+Each variant of each round runs in a fresh Python process, so nothing one variant leaves
+behind reaches the next: Liger's patch of a model instance also rebinds names in its
+transformers module (``LlamaRMSNorm``, ``LlamaMLP``, ...), so that a model built after it
+in the same process runs Liger's kernels ("eager" measured after Liger: 61.8k tokens/s at
+28.0 GiB against 54.9k at 32.1), and after torch.compile and Liger had run, the next
+variant held 2.3-2.4 GiB more memory allocated (onepass 17.1 GiB against its 14.8 in the
+other round, H200), which the row's peak (the highest of its rounds) carried.
+
 A GPU's clock under this load follows its power and temperature, so a variant's time
 depends on when in the run it is measured: on one H200, the same onepass step measured
 first in a process took 124.9 ms and third 120.2 ms, Liger's 131.3 ms second and 135.9 ms
@@ -43,9 +51,8 @@ the bf16 base), the base frozen; the variants are ``LORA_VARIANTS`` and the resu
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -255,35 +262,23 @@ def _step_times(step: Callable[[], torch.Tensor], synced: bool) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-@contextlib.contextmanager
-def _module_names_restored(module_name: str):
-    """Liger's patch of one model instance also rebinds names in its transformers module
-    (``LlamaRMSNorm``, ``LlamaMLP``, ``apply_rotary_pos_emb``), so every model built after
-    it would run Liger's kernels: seen as "eager" at 61.8k tokens/s and 28.0 GiB when
-    measured after Liger, against 54.9k and 32.1 GiB before it (H200). The module's names
-    are put back when the variant is done."""
-    names = vars(sys.modules[module_name])
-    saved = dict(names)
-    try:
-        yield
-    finally:
-        for name in set(names) - set(saved):
-            del names[name]
-        names.update(saved)
+def _build(model: str, lora_rank: int, device: str) -> torch.nn.Module:
+    from onepass.models.configs import build
+
+    built = build(model, device, torch.bfloat16)
+    return with_lora(built, lora_rank) if lora_rank else built
 
 
-def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tensor, log) -> Result:
+def _measure(variant: str, model: str, batch: int, seq: int, lora_rank: int) -> Result:
+    """One variant's row in this process: build, patch, warm up, time."""
     result = Result(variant)
-    model = opt = forward = None
-    stack = contextlib.ExitStack()
     try:
         torch.manual_seed(0)
-        model = build().train()
-        if variant == "liger":
-            hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-            stack.enter_context(_module_names_restored(type(hf).__module__))
-        forward = _prepare(variant, model)
-        opt = _optimizer(variant, model)
+        net = _build(model, lora_rank, "cuda").train()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        ids = torch.randint(0, net.config.vocab_size, (batch, seq), device="cuda", generator=g)
+        forward = _prepare(variant, net)
+        opt = _optimizer(variant, net)
 
         def step():
             loss = forward(input_ids=ids, labels=ids).loss
@@ -307,19 +302,32 @@ def _measure(variant: str, build: Callable[[], torch.nn.Module], ids: torch.Tens
         if variant.startswith("onepass"):
             import onepass
 
-            report = onepass.optimize_report(model)
+            report = onepass.optimize_report(net)
             kinds = {name: line.split(":")[0] for name, line in report.items()}
             notes = [f"{kind}: " + ", ".join(name for name, k in kinds.items() if k == kind)
                      for kind in ("unfused", "off") if kind in kinds.values()]
             result.note = "; ".join(notes) or "all switches on"
     except Exception as e:  # one variant failing (out of memory, no Liger) is reported, not fatal
         result.error = f"{type(e).__name__}: {e}"[:300]
-    finally:
-        del model, opt, forward
-        stack.close()
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
+    return result
+
+
+def _measure_apart(variant: str, model: str, batch: int, seq: int, lora_rank: int, log) -> Result:
+    """``_measure`` in a fresh Python process (``python -m onepass.bench.train SPEC``), whose
+    last line of output is the row as JSON; a process that dies (a crash in a kernel, say)
+    gives a failed row with the end of its error output."""
+    spec = json.dumps({"variant": variant, "model": model, "batch": batch, "seq": seq, "lora_rank": lora_rank})
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])  # the folder holding this onepass package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "onepass.bench.train", spec], capture_output=True, text=True,
+                          env=env, check=False)
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = Result(**json.loads(lines[-1]))
+    except (IndexError, ValueError, TypeError):
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])
+        result = Result(variant, error=f"the measuring process exited with code {proc.returncode}: {tail}"[:300])
     log(f"  {variant:<22} " + (f"{result.tokens_per_s / 1e3:7.1f}k tokens/s  {result.step_ms:8.1f} ms/step  "
                                f"peak {result.peak_gib:5.1f} GiB  loss {result.loss:.3f}"
                                if result.error is None else f"failed: {result.error}"))
@@ -336,7 +344,6 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
     if not torch.cuda.is_available():
         raise RuntimeError("the training benchmark needs a CUDA GPU")
     from onepass.bench.harness import environment, gpu_folder, measure_ceilings
-    from onepass.models.configs import build
 
     log("measuring the copy bandwidth and the bf16 matmul rate ...")
     ceilings = measure_ceilings()
@@ -344,13 +351,8 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
     log(f"{env['gpu']}: copy {env['copy_GBps']:.0f} GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
 
     variants = variants or (LORA_VARIANTS if lora_rank else VARIANTS)
-
-    def fresh(device="cuda"):
-        built = build(model, device, torch.bfloat16)
-        return with_lora(built, lora_rank) if lora_rank else built
-
-    probe = fresh("meta")
-    config, n_params = probe.config, sum(p.numel() for p in probe.parameters())
+    probe = _build(model, lora_rank, "meta")
+    n_params = sum(p.numel() for p in probe.parameters())
     flops, bytes_ = step_floor(probe, batch, seq)
     del probe
     floor_s = flops / (ceilings.matmul_tflops * 1e12) + bytes_ / (ceilings.copy_gbps * 1e9)
@@ -358,15 +360,13 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
     log(f"{model}, batch {batch} x {seq}: floor {floor_tps / 1e3:.1f}k tokens/s "
         f"({flops / 1e12:.1f} TFLOP, {bytes_ / 2**30:.1f} GiB memory-bound)")
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=g)
     log(f"heating the GPU for {HEAT_S:.0f} s ...")
     _heat(HEAT_S)
     rounds: dict[str, list[Result]] = {variant: [] for variant in variants}
     for i in range(ROUNDS):
         log(f"round {i + 1} of {ROUNDS}")
         for variant in variants if i % 2 == 0 else variants[::-1]:
-            rounds[variant].append(_measure(variant, fresh, ids, log))
+            rounds[variant].append(_measure_apart(variant, model, batch, seq, lora_rank, log))
     results = [_combine(rounds[variant]) for variant in variants]
     for r in results:
         if r.tokens_per_s:
@@ -423,3 +423,7 @@ def to_markdown(summary: dict) -> str:
               "rounds' medians, the variants measured in order, then in reverse (see the module docstring of "
               "onepass.bench.train)."]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # one variant, in its own process (see _measure_apart)
+    print(json.dumps(asdict(_measure(**json.loads(sys.argv[1])))))
