@@ -15,6 +15,7 @@ import onepass
 from onepass.decoding import CHECK_EVERY, Decoder
 from onepass.models import projections
 from onepass.ops import kv_cache
+from onepass.testing import assert_close
 
 pytest.importorskip("transformers")
 
@@ -74,7 +75,7 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     tokens, its decode steps through decode_attention over the static cache (unpadded
     prompts: 2 layers x 5 steps, each appending k and v in one launch) or, with padded prompts,
     through SDPA with the mask; every forward's MLP (prompt of 14 rows included) through
-    decode_gated_linear."""
+    decode_gated_linear, its down projection adding the residual stream in the same launch."""
     ref = tiny.build("llama").to(device).eval()
     model = copy.deepcopy(ref)
     with warnings.catch_warnings():
@@ -83,23 +84,43 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     calls = []
     decode_attention = onepass.ops.decode_attention
     monkeypatch.setattr(onepass.ops, "decode_attention", lambda *a, **k: calls.append(1) or decode_attention(*a, **k))
-    gated_calls, appends = [], []
-    decode_gated = projections.decode_gated
+    gated_calls, appends, residual_calls = [], [], []
+    decode_gated, decode_linear = projections.decode_gated, projections.decode_linear
     monkeypatch.setattr(projections, "decode_gated", lambda *a: gated_calls.append(1) or decode_gated(*a))
+    monkeypatch.setattr(projections, "decode_linear", lambda *a, residual=None: (
+        residual_calls.append(1) if residual is not None else None) or decode_linear(*a, residual=residual))
     append = kv_cache.append_to_cache
     monkeypatch.setattr(kv_cache, "append_to_cache", lambda *a: appends.append(1) or append(*a))
     ids = _prompts(device=device)
     eager = {"cuda_graph": False}  # every step through Python, so that the calls are counted
     assert torch.equal(onepass.generate(model, ids, 6, **eager), onepass.generate(ref, ids, 6, **eager))
     assert len(calls) == len(appends) == 2 * 5
-    assert len(gated_calls) == 2 * 6
+    assert len(gated_calls) == len(residual_calls) == 2 * 6
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     ids = ids.masked_fill(mask == 0, PAD)
     assert torch.equal(onepass.generate(model, ids, 6, attention_mask=mask, **eager),
                        onepass.generate(ref, ids, 6, attention_mask=mask, **eager))
     assert len(calls) == len(appends) == 2 * 5
-    assert len(gated_calls) == 2 * 6 * 2
+    assert len(gated_calls) == len(residual_calls) == 2 * 6 * 2
+
+
+def test_hooked_mlp_sees_its_own_output(device):
+    """With a forward hook on a layer's MLP, the optimized inference forward hands the hook the
+    MLP's output (not the residual sum the decode route would fold into down_proj)."""
+    ref = tiny.build("llama").to(device).eval()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    seen = {}
+    for name, m in (("ref", ref), ("model", model)):
+        m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out, name=name: seen.setdefault(name, out))
+    ids = _prompts(device=device)[:1, :5]
+    with torch.no_grad():
+        logits = [m(ids).logits for m in (ref, model)]
+    assert_close(seen["model"], seen["ref"], torch.float32)
+    assert_close(logits[1], logits[0], torch.float32)
 
 
 def test_argmax_in_pieces_is_argmax():

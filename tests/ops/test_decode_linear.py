@@ -20,10 +20,11 @@ def _double(ts):
     return [t.double() if t is not None else None for t in ts]
 
 
-def _check_linear(x, weights, biases, dtype):
+def _check_linear(x, weights, biases, dtype, residual=None):
     with torch.no_grad():
-        outs = ops.decode_linear(x, weights, biases)
-    refs = reference.decode_linear(x.double(), _double(weights), _double(biases) if biases else None)
+        outs = ops.decode_linear(x, weights, biases, residual)
+    refs = reference.decode_linear(x.double(), _double(weights), _double(biases) if biases else None,
+                                   residual.double() if residual is not None else None)
     assert len(outs) == len(weights)
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.shape == (*x.shape[:-1], weights[i].shape[0]) and out.dtype == x.dtype and out.is_contiguous()
@@ -62,6 +63,15 @@ def test_gated_matches_reference(activation, bias, device):
     assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_residual_added_before_the_store(bias, device):
+    """One weight and a residual (down_proj and the add after it), the residual's rows strided."""
+    x = torch.randn(3, 70, device=device)
+    weights, biases = _weights(70, (40,), torch.float32, device, bias)
+    residual = torch.randn(3, 56, device=device)[:, 8:48]
+    _check_linear(x, weights, biases, torch.float32, residual)
+
+
 def test_strided_rows(device):
     """A row stride that is not the row length (a slice of a wider tensor)."""
     x = torch.randn(4, 96, device=device)[:, 16:80]
@@ -96,6 +106,7 @@ def test_torch_compile_fullgraph_and_opcheck(device):
         assert_close(fn(x), 2 * ops.decode_gated_linear(x, *weights), torch.float32)
     torch.library.opcheck(_decode_linear, (x, weights, biases, -1))
     torch.library.opcheck(_decode_linear, (x, weights, [None, None], 0))
+    torch.library.opcheck(_decode_linear, (x, weights[:1], biases[:1], -1, torch.randn(3, 16, device=device)))
 
 
 @pytest.mark.parametrize("call, error, words", [
@@ -109,6 +120,9 @@ def test_torch_compile_fullgraph_and_opcheck(device):
     (lambda x, w, b: ops.decode_linear(x.requires_grad_(), w), ValueError, "inference only"),
     (lambda x, w, b: ops.decode_gated_linear(x, w[0], w[1], "relu"), ValueError, "activation"),
     (lambda x, w, b: ops.decode_gated_linear(x, w[0], w[1][:4]), ValueError, "up_weight"),
+    (lambda x, w, b: ops.decode_linear(x, w, residual=x[..., :8]), ValueError, "exactly one weight"),
+    (lambda x, w, b: ops.decode_linear(x, w[:1], residual=x), ValueError, "residual must be"),
+    (lambda x, w, b: ops.decode_linear(x, w[:1], residual=x[..., :8].half()), ValueError, "residual must be"),
 ])
 def test_bad_input_raises(call, error, words, device):
     x = torch.randn(2, 3, 24, device=device)
@@ -141,4 +155,4 @@ def test_gpu_bf16_llama_projections(rows):
     assert_close(product, reference.decode_gated_linear(x.double(), gate.double(), up.double()), torch.bfloat16,
                  "gate/up")
     down, _ = _weights(14336, (4096,), torch.bfloat16, "cuda", bias=False)
-    _check_linear(product, down, None, torch.bfloat16)
+    _check_linear(product, down, None, torch.bfloat16, residual=torch.randn_like(x))

@@ -340,19 +340,35 @@ def gated_mlp_forward(act: int, recompute: bool) -> Callable:
     for gate/up, and the product never kept (its backward rebuilds it). Otherwise (PEFT LoRA
     layers, ...) the projections are called as modules, and with ``recompute``, in training,
     the product is not kept for backward but recomputed there from gate and up, which the
-    activation keeps anyway.
+    activation keeps anyway. ``residual`` (from ``mlp_plus_residual``): returns residual +
+    the MLP's output, the add inside the down projection's launch in a decode step.
     """
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         if projections.mlp_node(self) and projections.nodes_run(x):
-            return projections.gated_mlp(self, x, act)
+            return projections.gated_mlp(self, x, act, residual)
         gate, up = projections.linears(x, (self.gate_proj, self.up_proj))
         product = activation.gated(gate, up, act)
         if recompute and self.training:
-            return with_recomputed(self.down_proj, product, functools.partial(activation.gated, act=act), (gate, up))
-        return self.down_proj(product)
+            out = with_recomputed(self.down_proj, product, functools.partial(activation.gated, act=act), (gate, up))
+        else:
+            out = self.down_proj(product)
+        return out if residual is None else residual + out
 
+    forward.takes_residual = True
     return forward
+
+
+def mlp_plus_residual(recompute: bool, mlp: nn.Module, normed: Tensor, norm: nn.Module, h: Tensor) -> Tensor:
+    """``h + mlp(normed)`` (``normed`` is ``norm``'s output whose input was h, as in
+    ``after_norm``). An MLP running onepass's forward without hooks (whose output would
+    otherwise include h) takes h itself, so that a decode step adds it inside the down
+    projection's launch instead of a separate add."""
+    hooks = (mlp._forward_hooks, mlp._forward_pre_hooks, nn.modules.module._global_forward_hooks,
+             nn.modules.module._global_forward_pre_hooks)
+    if not recompute and getattr(mlp.forward, "takes_residual", False) and not any(hooks):
+        return mlp(normed, residual=h)
+    return h + after_norm(recompute, mlp, normed, norm, h)
 
 
 def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -> str:

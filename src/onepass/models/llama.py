@@ -8,7 +8,7 @@ The layer (pre-norm, residual stream h):
 so the residual add and the second norm are one pass that writes both the new stream
 and the normed input of the MLP; the MLP's ``silu(gate) * up`` is ``swiglu``, and with
 plain linear projections the MLP is one node (``projections.gated_mlp``) that never keeps
-the swiglu product. The first norm hands h on through its own node (``passing_input``), so
+the swiglu product (in a decode step, its down projection also adds h: ``mlp_plus_residual``). The first norm hands h on through its own node (``passing_input``), so
 in backward the stream's gradient is added inside the norm's kernel, not by a separate add.
 With the ``recompute`` switch, neither norm output (the input of q/k/v, of gate/up) nor,
 for an MLP run as modules, the swiglu product (the input of down_proj) is kept for
@@ -29,7 +29,7 @@ def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
     attn, _ = common.after_norm(recompute, lambda x: self.self_attn(hidden_states=x, **kwargs), normed,
                                 self.input_layernorm, hidden_states)
     normed, hidden_states = self.post_attention_layernorm(attn, hidden_states)
-    return hidden_states + common.after_norm(recompute, self.mlp, normed, self.post_attention_layernorm, hidden_states)
+    return common.mlp_plus_residual(recompute, self.mlp, normed, self.post_attention_layernorm, hidden_states)
 
 
 def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:

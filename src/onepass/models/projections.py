@@ -18,7 +18,8 @@ cost of one write, where recomputing it separately reads gate and up again.
 In a decode step (inference, at most ``decode_linear``'s MAX_ROWS tokens) both become matrix-vector
 products that only read their weights: q/k/v (gate/up) then run as one ``decode_linear``
 (``decode_gated_linear``, with the activation and product) launch, not one cuBLAS call each,
-and the MLP's down projection as ``decode_linear`` too (faster than cuBLAS's at 1-8 rows).
+and the MLP's down projection as ``decode_linear`` too (faster than cuBLAS's at 1-8 rows),
+which also adds the residual stream when the layer hands it over (one launch fewer a layer).
 
 All of this applies to plain ``nn.Linear`` projections without hooks (``plain``; the MLP node also
 without biases, ``mlp_node``) where the Triton path runs (``nodes_run``). PEFT LoRA layers
@@ -150,12 +151,14 @@ class _GatedMLP(torch.autograd.Function):
                 d2.t() @ product if needs[4] else None)
 
 
-def gated_mlp(mlp: nn.Module, x: Tensor, act: int) -> Tensor:
+def gated_mlp(mlp: nn.Module, x: Tensor, act: int, residual: Tensor | None = None) -> Tensor:
     """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, for an MLP that
-    suits it (``mlp_node``) where nodes run (``nodes_run``)."""
+    suits it (``mlp_node``) where nodes run (``nodes_run``); plus ``residual`` if given (in a
+    decode step, inside the down projection's launch)."""
     x, (w_gate, w_up, w_down) = autocast_inputs(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
                                                    mlp.down_proj.weight])
-    if decoding(x, [w_gate, w_up, w_down]):
-        return decode_linear(decode_gated(x, w_gate, w_up, act), [w_down])[0]
+    if decoding(x, [w_gate, w_up, w_down]) and (residual is None or residual.dtype == x.dtype):
+        return decode_linear(decode_gated(x, w_gate, w_up, act), [w_down], residual=residual)[0]
     with torch.autocast(x.device.type, enabled=False):
-        return _GatedMLP.apply(x, act, w_gate, w_up, w_down)
+        out = _GatedMLP.apply(x, act, w_gate, w_up, w_down)
+    return out if residual is None else residual + out

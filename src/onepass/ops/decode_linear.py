@@ -3,6 +3,7 @@
 Math (x [M, K] with M <= MAX_ROWS, weights W_i [N_i, K], biases b_i [N_i]):
 
     decode_linear:        y_i = x W_i^T + b_i                for i = 1..3 (q, k, v)
+                          y   = x W^T + b + r                (one weight and a residual r: down_proj)
     decode_gated_linear:  y   = act(x W_g^T + b_g) * (x W_u^T + b_u)   (gate, up)
 
 At a few rows a linear layer is a matrix-vector product: its time is the read of the
@@ -11,6 +12,7 @@ weights. Byte budget (element size s):
     op                     unfused (HF, cuBLAS)                    fused minimum
     q, k, v projections    3 launches, read W_q, W_k, W_v          1 launch, read the weights once
     gated MLP input        2 GEMVs + write/read gate, up + act     1 launch, read W_g, W_u; write y
+    down_proj + residual   GEMV, write y, then read y, r; write    1 launch, read W, r; write y
 
 cuBLAS's matrix-vector kernels read small weights well below the copy bandwidth (H200,
 batch 1 decode step of Llama-3.2-1B: 0.4 TB/s on the 2 MiB k/v projections, 1.5 TB/s on
@@ -18,7 +20,7 @@ the 8 MiB q/o, 3.2 TB/s on the 32 MiB MLP weights). Here each program owns BLOCK
 features of one weight (the q, k and v tiles are one grid) and streams their rows over K
 with ``tl.dot`` on the rows padded to BLOCK_M, so the tensor cores do the arithmetic and
 the loads are all there is; the gated form owns the same features of both weights and
-applies the activation and product before its one store.
+applies the activation and product before its one store; a residual is added the same way.
 
 Inference only: no autograd formula (a call that would need one raises). Rows above
 MAX_ROWS run cuBLAS (``F.linear``), which wins once the product is no longer a read of
@@ -81,9 +83,10 @@ def _select(in1, in2, a, b, c):
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
-    n_rows, n_in, n0, n1, n2, x_row_stride, tiles0, tiles1,
-    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, r_ptr,
+    n_rows, n_in, n0, n1, n2, x_row_stride, r_row_stride, tiles0, tiles1,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -118,6 +121,9 @@ def _decode_linear_kernel(
     if GATED:
         acc, _ = _act_and_grad(acc, ACT, False)
         acc = acc * acc_up
+    if HAS_RESIDUAL:  # one weight only
+        r = r_ptr + rows.to(tl.int64)[:, None] * r_row_stride + feats[None, :]
+        acc += tl.load(r, mask=row_ok[:, None] & feat_ok[None, :], other=0.0).to(tl.float32)
     y = y_ptr + rows[:, None] * n_out + feats[None, :]  # outputs are contiguous [n_rows, n_out]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & feat_ok[None, :])
 
@@ -136,9 +142,10 @@ def _config(x: Tensor, block_m: int, n_features: int, gated: bool) -> tuple[int,
     return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage))
 
 
-def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], act: int
-                          ) -> list[Tensor]:
-    """act < 0: one output per weight; else the gated product of weights[0] (gate) and [1] (up)."""
+def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], act: int,
+                          residual: Tensor | None = None) -> list[Tensor]:
+    """act < 0: one output per weight (plus ``residual``, with one weight); else the gated
+    product of weights[0] (gate) and [1] (up)."""
     gated = act >= 0
     x2 = as_rows(x)
     n_rows, n_in = x2.shape
@@ -153,22 +160,25 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     bs = [b if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)] if has_bias else []
     bs += [ws[0]] * (MAX_WEIGHTS - len(bs))
     ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
+    r2 = as_rows(residual) if residual is not None else x2
     ns = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
     tiles = [cdiv(n, block_n) for n in ns]
     launch(_decode_linear_kernel, (tiles[0] if gated else sum(tiles),),
-           x2, *ws, *bs, *ys, n_rows, n_in, *ns, x2.stride(0), tiles[0], tiles[1],
-           GATED=gated, ACT=max(act, 0), HAS_BIAS=has_bias, PRECISION=precision_for(x.dtype),
+           x2, *ws, *bs, *ys, r2, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1],
+           GATED=gated, ACT=max(act, 0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
+           PRECISION=precision_for(x.dtype),
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return outs
 
 
 @torch.library.custom_op("onepass::decode_linear", mutates_args=())
-def _decode_linear(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], act: int) -> list[Tensor]:
-    return _decode_linear_launch(x, weights, biases, act)
+def _decode_linear(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], act: int,
+                   residual: Optional[Tensor] = None) -> list[Tensor]:
+    return _decode_linear_launch(x, weights, biases, act, residual)
 
 
 @_decode_linear.register_fake
-def _(x, weights, biases, act):
+def _(x, weights, biases, act, residual=None):
     outs = weights[:1] if act >= 0 else weights
     return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in outs]
 
@@ -176,7 +186,8 @@ def _(x, weights, biases, act):
 # ---------------------------------------------------------------- public functions
 
 
-def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None) -> list[Tensor | None]:
+def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None,
+           residual: Tensor | None = None) -> list[Tensor | None]:
     check_float("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the input features)")
@@ -187,9 +198,17 @@ def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None)
         raise ValueError(f"biases must be one per weight ({len(weights)}), got {len(biases)}")
     for i, (w, b) in enumerate(zip(weights, biases)):
         check_linear("x", x, f"weights[{i}]", w, f"biases[{i}]", b)
+    if residual is not None:
+        if len(weights) != 1:
+            raise ValueError(f"residual needs exactly one weight, got {len(weights)}")
+        out_shape = (*x.shape[:-1], weights[0].shape[0])
+        if tuple(residual.shape) != out_shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual must be the output's shape {out_shape} and x's dtype {x.dtype}, got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
     check_same_device(x=x, **{f"weights[{i}]": w for i, w in enumerate(weights)},
-                      **{f"biases[{i}]": b for i, b in enumerate(biases)})
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights, *biases)):
+                      **{f"biases[{i}]": b for i, b in enumerate(biases)}, residual=residual)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, *weights, *biases, residual)):
         raise ValueError("decode_linear and decode_gated_linear are inference only (no autograd): call them under "
                          "torch.no_grad() or on tensors that do not require grad; use F.linear for training")
     return biases
@@ -204,18 +223,21 @@ def _kernel_runs(x: Tensor) -> bool:
     return use_triton(x) and rows_fit(x)
 
 
-def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None = None
-                  ) -> tuple[Tensor, ...]:
+def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None = None,
+                  residual: Tensor | None = None) -> tuple[Tensor, ...]:
     """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))`` in one launch (inference).
 
     x [*, K]; 1 to 3 weights [N_i, K] of x's dtype (e.g. the q, k and v projections);
-    ``biases``: None or one optional [N_i] bias per weight. For at most MAX_ROWS rows of x
-    (a decode step); more rows run ``F.linear`` per weight.
+    ``biases``: None or one optional [N_i] bias per weight. ``residual`` (one weight only):
+    a tensor of the output's shape and x's dtype added before the one store, so
+    ``(residual + F.linear(x, w, b),)`` (a decoder layer's down projection and the residual
+    add after it), summed in fp32 and rounded once. For at most MAX_ROWS rows of x (a decode
+    step); more rows run ``F.linear`` per weight.
     """
-    biases = _check(x, list(weights), biases)
+    biases = _check(x, list(weights), biases, residual)
     if not _kernel_runs(x):
-        return reference.decode_linear(x, weights, biases)
-    return tuple(route(_decode_linear, _decode_linear_launch, x)(x, list(weights), biases, -1))
+        return reference.decode_linear(x, weights, biases, residual)
+    return tuple(route(_decode_linear, _decode_linear_launch, x)(x, list(weights), biases, -1, residual))
 
 
 def decode_gated_linear(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str = "silu",

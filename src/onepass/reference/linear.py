@@ -5,10 +5,11 @@ import torch.nn.functional as F
 from onepass.reference.activation import geglu, swiglu
 
 
-def decode_linear(x, weights, biases=None):
-    # one GEMV launch per weight, each reading its weight once
+def decode_linear(x, weights, biases=None, residual=None):
+    # one GEMV launch per weight, each reading its weight once; the residual added by another launch
     biases = biases if biases is not None else [None] * len(weights)
-    return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    outs = tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    return outs if residual is None else (residual + outs[0],)
 
 
 def decode_gated_linear(x, gate_weight, up_weight, activation="silu", gate_bias=None, up_bias=None):
