@@ -81,6 +81,20 @@ def test_gated_mlp_matches_the_module(act, device):
         assert_close(g, w, torch.float32, f"gradient {i}")
 
 
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.float64])
+def test_gated_mlp_adds_a_residual_in_a_decode_step(residual_dtype, device):
+    """Few rows without autograd (decode_linear's route): the residual inside down_proj's
+    launch, or, in another dtype than x (an fp32 stream under autocast), added after it."""
+    mlp = MLP(12, 24, torch.float32).to(device)
+    x = torch.randn(1, 3, 12, device=device)
+    residual = torch.randn(1, 3, 12, device=device, dtype=residual_dtype)
+    with torch.no_grad():
+        out = projections.gated_mlp(mlp, x, activation.SILU, residual)
+    ref_mlp, (ref_x,) = _double(mlp, x)
+    assert out.dtype == residual_dtype
+    assert_close(out, residual.double() + ref_mlp(ref_x, activation.SILU).detach(), torch.float32)
+
+
 def test_gated_mlp_keeps_no_product(device):
     mlp = MLP(12, 24, torch.float32).to(device)
     x = _leaf(5, 12, device=device)

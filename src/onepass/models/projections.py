@@ -157,8 +157,10 @@ def gated_mlp(mlp: nn.Module, x: Tensor, act: int, residual: Tensor | None = Non
     decode step, inside the down projection's launch)."""
     x, (w_gate, w_up, w_down) = autocast_inputs(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
                                                    mlp.down_proj.weight])
-    if decoding(x, [w_gate, w_up, w_down]) and (residual is None or residual.dtype == x.dtype):
-        return decode_linear(decode_gated(x, w_gate, w_up, act), [w_down], residual=residual)[0]
+    fold = residual is not None and residual.dtype == x.dtype  # (an fp32 stream is added after)
+    if decoding(x, [w_gate, w_up, w_down]):
+        out = decode_linear(decode_gated(x, w_gate, w_up, act), [w_down], residual=residual if fold else None)[0]
+        return out if fold or residual is None else residual + out
     with torch.autocast(x.device.type, enabled=False):
         out = _GatedMLP.apply(x, act, w_gate, w_up, w_down)
     return out if residual is None else residual + out
