@@ -157,10 +157,12 @@ def gated_mlp(mlp: nn.Module, x: Tensor, act: int, residual: Tensor | None = Non
     decode step, inside the down projection's launch)."""
     x, (w_gate, w_up, w_down) = autocast_inputs(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
                                                    mlp.down_proj.weight])
-    fold = residual is not None and residual.dtype == x.dtype  # (an fp32 stream is added after)
     if decoding(x, [w_gate, w_up, w_down]):
+        fold = residual is not None and residual.dtype == x.dtype  # (an fp32 stream is added below)
         out = decode_linear(decode_gated(x, w_gate, w_up, act), [w_down], residual=residual if fold else None)[0]
-        return out if fold or residual is None else residual + out
-    with torch.autocast(x.device.type, enabled=False):
-        out = _GatedMLP.apply(x, act, w_gate, w_up, w_down)
+        if fold:
+            return out
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            out = _GatedMLP.apply(x, act, w_gate, w_up, w_down)
     return out if residual is None else residual + out
