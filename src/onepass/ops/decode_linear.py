@@ -120,11 +120,8 @@ def _decode_linear_kernel(
         if NORM:  # the rows' sums of squares; the dots take x * g
             xf = x.to(tl.float32)
             squares += tl.sum(xf * xf, axis=1)
-            # g loaded as x's tile shape (each row the same): a [BLOCK_K] vector of 16-bit
-            # values has too few bytes a thread for an asynchronous copy, so the loop would
-            # wait on it every step instead of prefetching it with x and the weights
-            g = tl.load(g_ptr + (k + ks)[None, :] + 0 * rows[:, None], mask=k_ok[None, :], other=0.0)
-            x = (xf * g.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            g = tl.load(g_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         w_mask = feat_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -152,14 +149,14 @@ def _decode_linear_kernel(
 # ---------------------------------------------------------------------------- launcher
 
 
-def _config(x: Tensor, block_m: int, n_features: int, gated: bool, norm: bool) -> tuple[int, int, int, int]:
+def _config(x: Tensor, block_m: int, n_features: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``n_features`` outputs in all (see BLOCK_K)."""
     if interpreting():
         return INTERPRETER_CONFIG
     half_the_sms = num_programs_for(x.device) // 2
     block_n = next((n for n in (64, 32) if cdiv(n_features, n) >= half_the_sms), 16)
     block_k = GATED_BLOCK_K if gated else BLOCK_K[block_n]
-    per_stage = ((2 if norm else 1) * block_m + (2 if gated else 1) * block_n) * block_k * x.element_size()
+    per_stage = (block_m + (2 if gated else 1) * block_n) * block_k * x.element_size()
     return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage))
 
 
@@ -176,8 +173,7 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     if n_rows == 0:
         return outs
     block_m = max(16, next_power_of_2(n_rows))
-    block_n, block_k, num_warps, num_stages = _config(x, block_m, sum(o.shape[-1] for o in outs), gated,
-                                                      norm_weight is not None)
+    block_n, block_k, num_warps, num_stages = _config(x, block_m, sum(o.shape[-1] for o in outs), gated)
     ws = [w.contiguous() for w in weights] + [weights[0]] * (MAX_WEIGHTS - len(weights))
     has_bias = any(b is not None for b in biases)
     bs = [b if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)] if has_bias else []
