@@ -340,15 +340,14 @@ def gated_mlp_forward(act: int, recompute: bool) -> Callable:
     for gate/up, and the product never kept (its backward rebuilds it). Otherwise (PEFT LoRA
     layers, ...) the projections are called as modules, and with ``recompute``, in training,
     the product is not kept for backward but recomputed there from gate and up, which the
-    activation keeps anyway. ``residual`` and ``norm`` (from ``decode_layer``): returns
-    residual + the MLP's output on ``norm(x)``; in a decode step the norm runs inside the
-    gate/up launch and the add inside the down projection's.
+    activation keeps anyway. ``residual`` (from ``mlp_plus_residual``): returns residual +
+    the MLP's output, the add inside the down projection's launch in a decode step.
     """
 
-    def forward(self, x: Tensor, residual: Tensor | None = None, norm: nn.Module | None = None) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         if projections.mlp_node(self) and projections.nodes_run(x):
-            return projections.gated_mlp(self, x, act, residual, norm)
-        gate, up = projections.linears(x, (self.gate_proj, self.up_proj), norm)
+            return projections.gated_mlp(self, x, act, residual)
+        gate, up = projections.linears(x, (self.gate_proj, self.up_proj))
         product = activation.gated(gate, up, act)
         if recompute and self.training:
             out = with_recomputed(self.down_proj, product, functools.partial(activation.gated, act=act), (gate, up))
@@ -360,30 +359,16 @@ def gated_mlp_forward(act: int, recompute: bool) -> Callable:
     return forward
 
 
-def _hooked(*modules: nn.Module) -> bool:
-    """Whether any of ``modules`` has forward hooks, or global forward hooks are set."""
-    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
-
-
-def decode_layer(layer: nn.Module, h: Tensor, **kwargs) -> Tensor | None:
-    """A pre-norm layer's decode step (``input_layernorm``, ``self_attn``,
-    ``post_attention_layernorm``, ``mlp``, all onepass-patched) with both norms inside the
-    next projections' launches and both residual adds inside o_proj's and down_proj's:
-
-        h = h + o_proj(attn(q/k/v(rms(h))));   h = h + down(act(gate/up(rms(h))))
-
-    so the step runs no norm or add launch of its own. None (the caller runs the layer as
-    modules) outside a decode step's few rows under no_grad, or where a module has hooks,
-    which would otherwise see other inputs or outputs than HF's."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (torch.is_grad_enabled() or not projections.decoding(h, []) or not projections.nodes_run(h)
-            or not all(type(n) is onn.RMSNorm for n in norms) or _hooked(attn, mlp, *norms)
-            or not getattr(attn.forward, "folds_norm", False) or not getattr(mlp.forward, "takes_residual", False)):
-        return None
-    h, _ = attn(hidden_states=h, norm=norms[0], residual=h, **kwargs)
-    return mlp(h, residual=h, norm=norms[1])
+def mlp_plus_residual(recompute: bool, mlp: nn.Module, normed: Tensor, norm: nn.Module, h: Tensor) -> Tensor:
+    """``h + mlp(normed)`` (``normed`` is ``norm``'s output whose input was h, as in
+    ``after_norm``). An MLP running onepass's forward without hooks (whose output would
+    otherwise include h) takes h itself, so that a decode step adds it inside the down
+    projection's launch instead of a separate add."""
+    hooks = (mlp._forward_hooks, mlp._forward_pre_hooks, nn.modules.module._global_forward_hooks,
+             nn.modules.module._global_forward_pre_hooks)
+    if not recompute and getattr(mlp.forward, "takes_residual", False) and not any(hooks):
+        return mlp(normed, residual=h)
+    return h + after_norm(recompute, mlp, normed, norm, h)
 
 
 def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -> str:
@@ -413,16 +398,14 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
     are applied per head first. Plain linear q/k/v projections run as one node whose
     backward adds their input gradients inside its matmuls (``projections.linears``).
     Attention itself goes through transformers' registry, so
-    ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel. ``norm`` and
-    ``residual`` (from ``decode_layer``): the block runs on ``norm(hidden_states)`` and returns
-    residual + its output, in a decode step inside the q/k/v and o_proj launches."""
+    ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, norm: nn.Module | None = None, residual: Tensor | None = None, **kwargs):
+                past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = projections.linears(hidden_states, (self.q_proj, self.k_proj, self.v_proj), norm)
+        q, k, v = projections.linears(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
         q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
@@ -443,10 +426,8 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
             sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
             **extra, **kwargs,
         )
-        out = out.reshape(*input_shape, -1).contiguous()
-        return (self.o_proj(out) if residual is None else projections.linear_plus(out, self.o_proj, residual)), weights
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
-    forward.folds_norm = True
     return forward
 
 

@@ -8,10 +8,8 @@ The layer (pre-norm, residual stream h):
 so the residual add and the second norm are one pass that writes both the new stream
 and the normed input of the MLP; the MLP's ``silu(gate) * up`` is ``swiglu``, and with
 plain linear projections the MLP is one node (``projections.gated_mlp``) that never keeps
-the swiglu product. The first norm hands h on through its own node (``passing_input``), so
+the swiglu product (in a decode step, its down projection also adds h: ``mlp_plus_residual``). The first norm hands h on through its own node (``passing_input``), so
 in backward the stream's gradient is added inside the norm's kernel, not by a separate add.
-A decode step runs ``common.decode_layer``: both norms inside the next projections' launches
-and both adds inside o_proj's and down_proj's, no launch of their own.
 With the ``recompute`` switch, neither norm output (the input of q/k/v, of gate/up) nor,
 for an MLP run as modules, the swiglu product (the input of down_proj) is kept for
 backward: they are rebuilt there from h, and from gate and up, which autograd keeps anyway.
@@ -27,14 +25,11 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
-    decoded = common.decode_layer(self, hidden_states, **kwargs)
-    if decoded is not None:
-        return decoded
     normed, hidden_states = self.input_layernorm.passing_input(hidden_states)
     attn, _ = common.after_norm(recompute, lambda x: self.self_attn(hidden_states=x, **kwargs), normed,
                                 self.input_layernorm, hidden_states)
     normed, hidden_states = self.post_attention_layernorm(attn, hidden_states)
-    return hidden_states + common.after_norm(recompute, self.mlp, normed, self.post_attention_layernorm, hidden_states)
+    return common.mlp_plus_residual(recompute, self.mlp, normed, self.post_attention_layernorm, hidden_states)
 
 
 def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) -> dict[str, str]:

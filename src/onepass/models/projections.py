@@ -113,38 +113,19 @@ class _SharedInput(torch.autograd.Function):
         return dx, *out
 
 
-def linears(x: Tensor, modules: tuple[nn.Module, ...], norm: nn.Module | None = None) -> tuple[Tensor, ...]:
+def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
     """``m(x)`` for each of ``modules``; plain linears as one node whose backward adds the
-    input gradients inside its matmuls. ``norm`` (an onepass RMSNorm): the modules read
-    ``norm(x)``, which a decode step computes inside the projections' launch."""
-    if fusable(x, modules):
-        params = [p for m in modules for p in (m.weight, m.bias)]
-        x_in, params = autocast_inputs(x, params)
-        if decoding(x_in, params) and len(modules) <= MAX_WEIGHTS:
-            return decode_linear(x_in, params[0::2], params[1::2], **_norm_args(norm))
-        if norm is None:
-            with torch.autocast(x.device.type, enabled=False):
-                outs = _SharedInput.apply(x_in, *params)
-            return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
-    if norm is not None:
-        return linears(norm(x), modules)
-    adapters = lora.shared_linears(x, modules)  # PEFT LoRA linears: their own shared node
-    return adapters if adapters is not None else tuple(m(x) for m in modules)
-
-
-def _norm_args(norm: nn.Module | None) -> dict:
-    """decode_linear's arguments for folding an onepass RMSNorm into its launch."""
-    return {} if norm is None else {"norm_weight": norm.scale(), "eps": norm.eps}
-
-
-def linear_plus(x: Tensor, module: nn.Module, residual: Tensor) -> Tensor:
-    """``residual + module(x)``; for a plain linear in a decode step, one ``decode_linear``
-    launch that adds the residual before its store (a layer's o_proj and the add after it)."""
-    if fusable(x, (module,)):
-        x_in, (weight, bias) = autocast_inputs(x, [module.weight, module.bias])
-        if decoding(x_in, [weight, bias]) and residual.dtype == x_in.dtype:
-            return decode_linear(x_in, [weight], [bias], residual=residual)[0]
-    return residual + module(x)
+    input gradients inside its matmuls."""
+    if not fusable(x, modules):
+        adapters = lora.shared_linears(x, modules)  # PEFT LoRA linears: their own shared node
+        return adapters if adapters is not None else tuple(m(x) for m in modules)
+    params = [p for m in modules for p in (m.weight, m.bias)]
+    x, params = autocast_inputs(x, params)
+    if decoding(x, params) and len(modules) <= MAX_WEIGHTS:
+        return decode_linear(x, params[0::2], params[1::2])
+    with torch.autocast(x.device.type, enabled=False):
+        outs = _SharedInput.apply(x, *params)
+    return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
 class _GatedMLP(torch.autograd.Function):
@@ -170,23 +151,18 @@ class _GatedMLP(torch.autograd.Function):
                 d2.t() @ product if needs[4] else None)
 
 
-def gated_mlp(mlp: nn.Module, x: Tensor, act: int, residual: Tensor | None = None,
-              norm: nn.Module | None = None) -> Tensor:
+def gated_mlp(mlp: nn.Module, x: Tensor, act: int, residual: Tensor | None = None) -> Tensor:
     """``mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, for an MLP that
     suits it (``mlp_node``) where nodes run (``nodes_run``); plus ``residual`` if given (in a
-    decode step, inside the down projection's launch); on ``norm(x)`` if ``norm`` is given (in
-    a decode step, inside the gate/up launch)."""
-    x_in, (w_gate, w_up, w_down) = autocast_inputs(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
-                                                      mlp.down_proj.weight])
-    if decoding(x_in, [w_gate, w_up, w_down]):
-        fold = residual is not None and residual.dtype == x_in.dtype  # (an fp32 stream is added below)
-        product = decode_gated(x_in, w_gate, w_up, act, **_norm_args(norm))
-        out = decode_linear(product, [w_down], residual=residual if fold else None)[0]
+    decode step, inside the down projection's launch)."""
+    x, (w_gate, w_up, w_down) = autocast_inputs(x, [mlp.gate_proj.weight, mlp.up_proj.weight,
+                                                   mlp.down_proj.weight])
+    if decoding(x, [w_gate, w_up, w_down]):
+        fold = residual is not None and residual.dtype == x.dtype  # (an fp32 stream is added below)
+        out = decode_linear(decode_gated(x, w_gate, w_up, act), [w_down], residual=residual if fold else None)[0]
         if fold:
             return out
     else:
-        if norm is not None:
-            x_in, _ = autocast_inputs(norm(x), [])
         with torch.autocast(x.device.type, enabled=False):
-            out = _GatedMLP.apply(x_in, act, w_gate, w_up, w_down)
+            out = _GatedMLP.apply(x, act, w_gate, w_up, w_down)
     return out if residual is None else residual + out
