@@ -6,11 +6,6 @@ Math (x [M, K] with M <= MAX_ROWS, weights W_i [N_i, K], biases b_i [N_i]):
                           y   = x W^T + b + r                (one weight and a residual r: down_proj)
     decode_gated_linear:  y   = act(x W_g^T + b_g) * (x W_u^T + b_u)   (gate, up)
 
-Either may first RMS-normalise x with a weight g (a decoder layer's norm before q/k/v or
-gate/up), x -> rms_norm(x, g, eps): each program streams the whole of x's rows over K
-anyway, so it sums their squares on the way and scales its dot products by the rows'
-1 / sqrt(mean(x^2) + eps) at the end, (x * g) W^T * rstd, with no launch of its own:
-
 At a few rows a linear layer is a matrix-vector product: its time is the read of the
 weights. Byte budget (element size s):
 
@@ -18,8 +13,6 @@ weights. Byte budget (element size s):
     q, k, v projections    3 launches, read W_q, W_k, W_v          1 launch, read the weights once
     gated MLP input        2 GEMVs + write/read gate, up + act     1 launch, read W_g, W_u; write y
     down_proj + residual   GEMV, write y, then read y, r; write    1 launch, read W, r; write y
-    norm + projections     norm: read x, g; write x'; then as      as the projections alone
-                           above reading x'
 
 cuBLAS's matrix-vector kernels read small weights well below the copy bandwidth (H200,
 batch 1 decode step of Llama-3.2-1B: 0.4 TB/s on the 2 MiB k/v projections, 1.5 TB/s on
@@ -50,7 +43,6 @@ from onepass.ops._launch import (
     check_float,
     check_linear,
     check_same_device,
-    check_vector,
     interpreting,
     launch,
     next_power_of_2,
@@ -91,10 +83,10 @@ def _select(in1, in2, a, b, c):
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, r_ptr, g_ptr,
-    n_rows, n_in, n0, n1, n2, x_row_stride, r_row_stride, tiles0, tiles1, eps,
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, r_ptr,
+    n_rows, n_in, n0, n1, n2, x_row_stride, r_row_stride, tiles0, tiles1,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    NORM: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -113,25 +105,15 @@ def _decode_linear_kernel(
     w_rows = feats.to(tl.int64)[:, None] * n_in  # weights are contiguous [N, K]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(0, n_in, BLOCK_K):
         k_ok = k + ks < n_in
         x = tl.load(x_rows + (k + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:  # the rows' sums of squares; the dots take x * g
-            xf = x.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=1)
-            g = tl.load(g_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         w_mask = feat_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
             u = tl.load(w1_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
-    if NORM:
-        rstd = (1.0 / tl.sqrt(squares / n_in + eps))[:, None]
-        acc *= rstd
-        acc_up *= rstd
     if HAS_BIAS:
         acc += tl.load(b_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -161,10 +143,9 @@ def _config(x: Tensor, block_m: int, n_features: int, gated: bool) -> tuple[int,
 
 
 def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], act: int,
-                          residual: Tensor | None = None, norm_weight: Tensor | None = None,
-                          eps: float = 1e-6) -> list[Tensor]:
+                          residual: Tensor | None = None) -> list[Tensor]:
     """act < 0: one output per weight (plus ``residual``, with one weight); else the gated
-    product of weights[0] (gate) and [1] (up); x RMS-normalised first with ``norm_weight``."""
+    product of weights[0] (gate) and [1] (up)."""
     gated = act >= 0
     x2 = as_rows(x)
     n_rows, n_in = x2.shape
@@ -180,26 +161,24 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     bs += [ws[0]] * (MAX_WEIGHTS - len(bs))
     ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
     r2 = as_rows(residual) if residual is not None else x2
-    g = norm_weight.contiguous() if norm_weight is not None else x2
     ns = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
     tiles = [cdiv(n, block_n) for n in ns]
     launch(_decode_linear_kernel, (tiles[0] if gated else sum(tiles),),
-           x2, *ws, *bs, *ys, r2, g, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1], eps,
+           x2, *ws, *bs, *ys, r2, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1],
            GATED=gated, ACT=max(act, 0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
-           NORM=norm_weight is not None, PRECISION=precision_for(x.dtype),
+           PRECISION=precision_for(x.dtype),
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return outs
 
 
 @torch.library.custom_op("onepass::decode_linear", mutates_args=())
 def _decode_linear(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], act: int,
-                   residual: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
-                   eps: float = 1e-6) -> list[Tensor]:
-    return _decode_linear_launch(x, weights, biases, act, residual, norm_weight, eps)
+                   residual: Optional[Tensor] = None) -> list[Tensor]:
+    return _decode_linear_launch(x, weights, biases, act, residual)
 
 
 @_decode_linear.register_fake
-def _(x, weights, biases, act, residual=None, norm_weight=None, eps=1e-6):
+def _(x, weights, biases, act, residual=None):
     outs = weights[:1] if act >= 0 else weights
     return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in outs]
 
@@ -208,7 +187,7 @@ def _(x, weights, biases, act, residual=None, norm_weight=None, eps=1e-6):
 
 
 def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None,
-           residual: Tensor | None = None, norm_weight: Tensor | None = None) -> list[Tensor | None]:
+           residual: Tensor | None = None) -> list[Tensor | None]:
     check_float("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the input features)")
@@ -226,11 +205,10 @@ def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None,
         if tuple(residual.shape) != out_shape or residual.dtype != x.dtype:
             raise ValueError(f"residual must be the output's shape {out_shape} and x's dtype {x.dtype}, got "
                              f"{tuple(residual.shape)} {residual.dtype}")
-    check_vector("norm_weight", norm_weight, x.shape[-1])
     check_same_device(x=x, **{f"weights[{i}]": w for i, w in enumerate(weights)},
-                      **{f"biases[{i}]": b for i, b in enumerate(biases)}, residual=residual, norm_weight=norm_weight)
+                      **{f"biases[{i}]": b for i, b in enumerate(biases)}, residual=residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, *weights, *biases, residual, norm_weight)):
+                                       for t in (x, *weights, *biases, residual)):
         raise ValueError("decode_linear and decode_gated_linear are inference only (no autograd): call them under "
                          "torch.no_grad() or on tensors that do not require grad; use F.linear for training")
     return biases
@@ -246,49 +224,41 @@ def _kernel_runs(x: Tensor) -> bool:
 
 
 def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None = None,
-                  residual: Tensor | None = None, norm_weight: Tensor | None = None,
-                  eps: float = 1e-6) -> tuple[Tensor, ...]:
+                  residual: Tensor | None = None) -> tuple[Tensor, ...]:
     """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))`` in one launch (inference).
 
     x [*, K]; 1 to 3 weights [N_i, K] of x's dtype (e.g. the q, k and v projections);
     ``biases``: None or one optional [N_i] bias per weight. ``residual`` (one weight only):
     a tensor of the output's shape and x's dtype added before the one store, so
     ``(residual + F.linear(x, w, b),)`` (a decoder layer's down projection and the residual
-    add after it), summed in fp32 and rounded once. ``norm_weight`` [K]: x is first
-    RMS-normalised, ``rms_norm(x, norm_weight, eps)`` (the layer's norm before q/k/v), inside
-    the same launch. For at most MAX_ROWS rows of x (a decode step); more rows run
-    ``F.linear`` per weight.
+    add after it), summed in fp32 and rounded once. For at most MAX_ROWS rows of x (a decode
+    step); more rows run ``F.linear`` per weight.
     """
-    biases = _check(x, list(weights), biases, residual, norm_weight)
+    biases = _check(x, list(weights), biases, residual)
     if not _kernel_runs(x):
-        return reference.decode_linear(x, weights, biases, residual, norm_weight, eps)
-    return tuple(route(_decode_linear, _decode_linear_launch, x)(x, list(weights), biases, -1, residual,
-                                                                 norm_weight, float(eps)))
+        return reference.decode_linear(x, weights, biases, residual)
+    return tuple(route(_decode_linear, _decode_linear_launch, x)(x, list(weights), biases, -1, residual))
 
 
 def decode_gated_linear(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str = "silu",
-                        gate_bias: Tensor | None = None, up_bias: Tensor | None = None,
-                        norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+                        gate_bias: Tensor | None = None, up_bias: Tensor | None = None) -> Tensor:
     """``act(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)`` in one
     launch (inference): a gated MLP's input side. ``activation``: "silu" (SwiGLU),
-    "gelu_tanh" or "gelu" (GeGLU, tanh-approximated or exact); rows and ``norm_weight``
-    (the norm before the MLP) as in ``decode_linear``."""
+    "gelu_tanh" or "gelu" (GeGLU, tanh-approximated or exact); rows as in ``decode_linear``."""
     if activation not in GATED_ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(GATED_ACTIVATIONS)}, got {activation!r}")
-    return decode_gated(x, gate_weight, up_weight, GATED_ACTIVATIONS[activation], gate_bias, up_bias,
-                        norm_weight, eps)
+    return decode_gated(x, gate_weight, up_weight, GATED_ACTIVATIONS[activation], gate_bias, up_bias)
 
 
 def decode_gated(x: Tensor, gate_weight: Tensor, up_weight: Tensor, act: int, gate_bias: Tensor | None = None,
-                 up_bias: Tensor | None = None, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+                 up_bias: Tensor | None = None) -> Tensor:
     """``decode_gated_linear`` for an activation id (activation.SILU, GELU_TANH, GELU_ERF), for
     callers that pick the activation by id."""
-    biases = _check(x, [gate_weight, up_weight], [gate_bias, up_bias], norm_weight=norm_weight)
+    biases = _check(x, [gate_weight, up_weight], [gate_bias, up_bias])
     if gate_weight.shape != up_weight.shape:
         raise ValueError(f"up_weight must have gate_weight's shape {tuple(gate_weight.shape)}, "
                          f"got {tuple(up_weight.shape)}")
     if not _kernel_runs(x):
         name = next(k for k, v in GATED_ACTIVATIONS.items() if v == act)
-        return reference.decode_gated_linear(x, gate_weight, up_weight, name, gate_bias, up_bias, norm_weight, eps)
-    return route(_decode_linear, _decode_linear_launch, x)(x, [gate_weight, up_weight], biases, act, None,
-                                                           norm_weight, float(eps))[0]
+        return reference.decode_gated_linear(x, gate_weight, up_weight, name, gate_bias, up_bias)
+    return route(_decode_linear, _decode_linear_launch, x)(x, [gate_weight, up_weight], biases, act)[0]
