@@ -22,6 +22,14 @@ with ``tl.dot`` on the rows padded to BLOCK_M, so the tensor cores do the arithm
 the loads are all there is; the gated form owns the same features of both weights and
 applies the activation and product before its one store; a residual is added the same way.
 
+Measured and dropped (H200, Llama-3.2-1B sizes, CUDA graph, benchmarks/results/h200/
+decode_norm_fold.log): the layer's RMSNorm folded into this launch (each program summing the
+squares of the x tiles it streams and dotting x * g, scaled by rstd at the end) made q/k/v
+17.2 us and gate/up 28.4 us against 6.1 and 18.5 without the norm, and 7.3 and 20.6 with
+onepass's rms_norm launched before: the per-step reduction and re-layout of x in the K loop
+cost ~1.4 us a step, far above the ~1.5 us a norm launch costs (bench generate 1.39 ms a step
+against 1.115).
+
 Inference only: no autograd formula (a call that would need one raises). Rows above
 MAX_ROWS run cuBLAS (``F.linear``), which wins once the product is no longer a read of
 the weights.
