@@ -73,11 +73,14 @@ def test_decoder_reused_across_calls():
 def test_optimized_model_same_tokens(device, monkeypatch):
     """Kernels through the interpreter on the CPU (fp32): the optimized model decodes the same
     tokens, its decode steps through decode_attention over the static cache (unpadded
-    prompts: 2 layers x 5 steps, each appending k and v in one launch) or, with padded prompts,
-    through SDPA with the mask; every forward's MLP (prompt of 14 rows included) through
-    decode_gated_linear, its down projection adding the residual stream in the same launch."""
+    prompts: 2 layers x 5 steps, each appending k and v in one launch that also applies RoPE,
+    so rope itself runs for the prompts only) or, with padded prompts, through SDPA with the
+    mask; every forward's MLP (prompt of 14 rows included) through decode_gated_linear, its
+    down projection adding the residual stream in the same launch."""
     ref = tiny.build("llama").to(device).eval()
     model = copy.deepcopy(ref)
+    ropes, rope = [], onepass.ops.rope
+    monkeypatch.setattr(onepass.ops, "rope", lambda *a, **k: ropes.append(1) or rope(*a, **k))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         onepass.optimize(model)
@@ -96,6 +99,7 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     assert torch.equal(onepass.generate(model, ids, 6, **eager), onepass.generate(ref, ids, 6, **eager))
     assert len(calls) == len(appends) == 2 * 5
     assert len(gated_calls) == len(residual_calls) == 2 * 6
+    assert len(ropes) == 2  # the prompt's forward (the unoptimized model runs HF's rotary)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     ids = ids.masked_fill(mask == 0, PAD)
@@ -103,6 +107,7 @@ def test_optimized_model_same_tokens(device, monkeypatch):
                        onepass.generate(ref, ids, 6, attention_mask=mask, **eager))
     assert len(calls) == len(appends) == 2 * 5
     assert len(gated_calls) == len(residual_calls) == 2 * 6 * 2
+    assert len(ropes) == 2 + 2 * 6  # padded prompts: every step's rope apart
 
 
 def test_hooked_mlp_sees_its_own_output(device):

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
+from onepass import reference
 from onepass.ops.kv_cache import append_to_cache
+from onepass.testing import assert_close
 
 
 @pytest.mark.parametrize("batch, heads, n_new, head_dim", [(2, 3, 1, 16), (1, 2, 3, 40), (3, 1, 2, 64)])
@@ -31,3 +33,27 @@ def test_many_rows_loop(device):
     assert torch.equal(k_cache[:, :, 150:190], k) and torch.equal(v_cache[:, :, 150:190], v)
     assert k_cache[:, :, :150].abs().sum() == 0 and k_cache[:, :, 190:].abs().sum() == 0
     assert length.item() == 190
+
+
+@pytest.mark.parametrize("batch, q_heads, heads, n_new, head_dim, table_batch", [
+    (2, 6, 3, 1, 16, 2), (1, 4, 2, 3, 40, 1), (3, 2, 1, 2, 64, 3),
+])
+def test_append_with_rope_matches_rope_then_append(batch, q_heads, heads, n_new, head_dim, table_batch, device):
+    """With the rotary tables, k is stored rotated and q comes back rotated, as HF's
+    apply_rotary_pos_emb (the reference rope) followed by the plain append; k, q and v as the
+    attention hands them ([B, T, H, D] projections transposed), tables per batch row or shared."""
+    cache_len, start = 9, 4
+    k_cache, v_cache = (torch.randn(batch, heads, cache_len, head_dim, device=device) for _ in range(2))
+    q = torch.randn(batch, n_new, q_heads, head_dim, device=device).transpose(1, 2)
+    k, v = (torch.randn(batch, n_new, heads, head_dim, device=device).transpose(1, 2) for _ in range(2))
+    angles = torch.randn(table_batch, n_new, head_dim // 2, device=device).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = reference.rope(q, k, cos, sin)
+    want_k_cache, want_v_cache, want_length = k_cache.clone(), v_cache.clone(), torch.tensor(start, device=device)
+    append_to_cache(want_k_cache, want_v_cache, want_length, want_k, v)
+    length = torch.tensor(start, device=device)
+    q_out = append_to_cache(k_cache, v_cache, length, k, v, q, cos, sin)
+    assert q_out.shape == q.shape
+    assert_close(q_out, want_q, torch.float32, "q")
+    assert_close(k_cache, want_k_cache, torch.float32, "k cache")
+    assert torch.equal(v_cache, want_v_cache) and length.item() == want_length.item() == start + n_new

@@ -398,7 +398,9 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
     are applied per head first. Plain linear q/k/v projections run as one node whose
     backward adds their input gradients inside its matmuls (``projections.linears``).
     Attention itself goes through transformers' registry, so
-    ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel."""
+    ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel. In a decode
+    step of ``onepass.Decoder`` k and v go to the static cache in one launch that also applies
+    RoPE to q and k (``kv_cache.append_to_cache``), so rope runs no launch of its own."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
@@ -410,13 +412,23 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        q, k = rope(q, k, cos, sin)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if past_key_values is not None:
-            lengths = getattr(past_key_values, DECODE_LENGTHS, None)
-            if lengths is not None:
-                kwargs["cache_seqlens"] = lengths
-            k, v = _append(past_key_values, self.layer_idx, k, v, decoding=lengths is not None)
+        lengths = getattr(past_key_values, DECODE_LENGTHS, None) if past_key_values is not None else None
+        if lengths is not None:
+            kwargs["cache_seqlens"] = lengths
+        layer = _static_layer(past_key_values, self.layer_idx, k, v) if lengths is not None else None
+        if layer is not None and _whole_head_tables(cos, sin, k):
+            # rope inside the append's launch: k stored rotated, q rotated into a new tensor
+            q = kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k.transpose(1, 2), v,
+                                         q.transpose(1, 2), cos, sin)
+            k, v = layer.keys, layer.values
+        else:
+            q, k = rope(q, k, cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            if layer is not None:
+                kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v)
+                k, v = layer.keys, layer.values
+            elif past_key_values is not None:
+                k, v = past_key_values.update(k, v, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
         extra = {"softcap": self.attn_logit_softcapping} if passes_softcap else {}
         out, weights = attention(
@@ -431,20 +443,29 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
     return forward
 
 
-def _append(cache, layer_idx: int, k: Tensor, v: Tensor, decoding: bool) -> tuple[Tensor, Tensor]:
-    """``cache.update(k, v, layer_idx)``; in a decode step of ``onepass.Decoder`` on a
-    transformers ``StaticLayer`` ready for these k and v, the same append in one launch
-    (``kv_cache.append_to_cache``) instead of the layer's five kernels."""
+def _static_layer(cache, layer_idx: int, k: Tensor, v: Tensor):
+    """In a decode step of ``onepass.Decoder``: the transformers ``StaticLayer`` that takes k
+    [B, T, Hk, D] and v [B, Hk, T, D] in one launch (``kv_cache.append_to_cache``, instead of
+    ``cache.update``'s five kernels), or None if the cache's layer is not one ready for them."""
     from transformers.cache_utils import StaticLayer
 
-    layer = cache.layers[layer_idx] if decoding else None
+    layer = cache.layers[layer_idx]
+    k = k.transpose(1, 2)
     if (type(layer) is not StaticLayer or not layer.is_initialized or not projections.nodes_run(k)
             or k.dtype != layer.keys.dtype or v.dtype != layer.values.dtype
             or k.shape[:2] + k.shape[3:] != layer.keys.shape[:2] + layer.keys.shape[3:] or v.shape != k.shape
             or k.stride(-1) != 1 or v.stride(-1) != 1):
-        return cache.update(k, v, layer_idx)
-    kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v)
-    return layer.keys, layer.values
+        return None
+    return layer
+
+
+def _whole_head_tables(cos: Tensor, sin: Tensor, k: Tensor) -> bool:
+    """Whether HF's rotary tables for k [B, T, Hk, D] are [B or 1, T, D] over the whole head
+    (no partial rotary) with unit last strides: what ``append_to_cache`` applies itself."""
+    batch, n_new, _, head_dim = k.shape
+    return (cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1:] == (n_new, head_dim)
+            and cos.shape[0] in (1, batch) and cos.stride() == sin.stride() and cos.stride(-1) == 1
+            and cos.is_floating_point() and sin.is_floating_point())
 
 
 def patch_rotary_attention(patches: Patches, layers, passes_softcap: bool = False) -> str:
