@@ -37,6 +37,7 @@ def test_many_rows_loop(device):
 
 @pytest.mark.parametrize("batch, q_heads, heads, n_new, head_dim, table_batch", [
     (2, 6, 3, 1, 16, 2), (1, 4, 2, 3, 40, 1), (3, 2, 1, 2, 64, 3),
+    (4, 24, 2, 1, 64, 1),  # q's 96 rows over two programs of 64
 ])
 def test_append_with_rope_matches_rope_then_append(batch, q_heads, heads, n_new, head_dim, table_batch, device):
     """With the rotary tables, k is stored rotated and q comes back rotated, as HF's

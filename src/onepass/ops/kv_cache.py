@@ -9,10 +9,12 @@ because every copy must read the length before it grows. Sized for decode steps 
 thousand values); positions past the cache are not written (the caller bounds the length,
 as ``onepass.Decoder`` does).
 
-Given the rotary tables, the same program also applies RoPE (rotate-half, HF's
-``apply_rotary_pos_emb`` on the whole head) to k before storing it, and to q into a new
-tensor: the decode step's rope launch folded into the append's. Per row of x and each dim i
-< D, with the partner x[(i + D/2) mod D] and the table entries at i:
+Given the rotary tables, the same launch also applies RoPE (rotate-half, HF's
+``apply_rotary_pos_emb`` on the whole head): that program to k before storing it, and more
+programs of the grid, which need no length, to blocks of q's rows, into a new tensor (one
+program for all of q made the launch the step's slowest at batch 8: 3% a step). The decode
+step's rope launch is thus folded into the append's. Per row of x and each dim i < D, with
+the partner x[(i + D/2) mod D] and the table entries at i:
 
     out[i] = x[i] * cos[i] - partner * sin[i]     (i < D/2)
     out[i] = x[i] * cos[i] + partner * sin[i]     (i >= D/2)
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops._launch import launch, next_power_of_2
+from onepass.ops._launch import cdiv, launch, next_power_of_2
 
 BLOCK_VALUES = 4096  # values of k (and of v) copied a loop step
 
@@ -60,9 +62,19 @@ def _append_kv_kernel(
     q_sb, q_sh, q_st, qo_sb, qo_sh, qo_st, cos_sb, cos_st,
     ROPE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    start = tl.load(length_ptr)
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < head_dim)[None, :]
+    pid = tl.program_id(0)
+    if pid > 0:  # a block of q's rows (ROPE only)
+        r = ((pid - 1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        mask = (r < n_q_rows)[:, None] & d_ok
+        q, b, t = _rows(q_ptr, q_sb, q_sh, q_st, r, n_q_heads, n_new, d, mask)
+        q = _rotated(q, q_ptr, q_sb, q_sh, q_st, r, n_q_heads, n_new, d, head_dim, mask, cos_ptr, sin_ptr, cos_sb,
+                     cos_st, BLOCK_D)
+        h = r // n_new % n_q_heads
+        tl.store(q_out_ptr + (b * qo_sb + h * qo_sh + t * qo_st)[:, None] + d[None, :], q, mask=mask)
+        return
+    start = tl.load(length_ptr)
     for first in range(0, n_rows, BLOCK_ROWS):
         r = (first + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # rows of k: (batch, head, new token)
         t = r % n_new
@@ -77,15 +89,6 @@ def _append_kv_kernel(
         v, _, _ = _rows(v_ptr, v_sb, v_sh, v_st, r, n_heads, n_new, d, mask)
         tl.store(k_cache_ptr + (b * kc_sb + h * kc_sh + pos * kc_st)[:, None] + d[None, :], k, mask=mask)
         tl.store(v_cache_ptr + (b * vc_sb + h * vc_sh + pos * vc_st)[:, None] + d[None, :], v, mask=mask)
-    if ROPE:
-        for first in range(0, n_q_rows, BLOCK_ROWS):
-            r = (first + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # rows of q
-            mask = (r < n_q_rows)[:, None] & d_ok
-            q, b, t = _rows(q_ptr, q_sb, q_sh, q_st, r, n_q_heads, n_new, d, mask)
-            q = _rotated(q, q_ptr, q_sb, q_sh, q_st, r, n_q_heads, n_new, d, head_dim, mask, cos_ptr, sin_ptr, cos_sb,
-                         cos_st, BLOCK_D)
-            h = r // n_new % n_q_heads
-            tl.store(q_out_ptr + (b * qo_sb + h * qo_sh + t * qo_st)[:, None] + d[None, :], q, mask=mask)
     tl.store(length_ptr, start + n_new)
 
 
@@ -106,10 +109,12 @@ def append_to_cache(k_cache: Tensor, v_cache: Tensor, length: Tensor, k: Tensor,
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rope else None
     qs = (q, q_out, cos, sin) if rope else (k, k, k, k)
     cos_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)) if rope else (0, 0)
-    launch(_append_kv_kernel, (1,),
+    block_rows = max(1, BLOCK_VALUES // block_d)
+    n_q_rows = q.shape[0] * q.shape[1] * n_new if rope else 0
+    launch(_append_kv_kernel, (1 + cdiv(n_q_rows, block_rows),),
            k, v, k_cache, v_cache, length, *qs, batch * heads * n_new, heads, n_new, head_dim, k_cache.shape[2],
-           q.shape[0] * q.shape[1] * n_new if rope else 0, q.shape[1] if rope else 1,
+           n_q_rows, q.shape[1] if rope else 1,
            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
            *(q.stride()[:3] if rope else (0, 0, 0)), *(q_out.stride()[:3] if rope else (0, 0, 0)), *cos_strides,
-           ROPE=rope, BLOCK_ROWS=max(1, BLOCK_VALUES // block_d), BLOCK_D=block_d, num_warps=4)
+           ROPE=rope, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
     return q_out
