@@ -465,7 +465,7 @@ def _whole_head_tables(cos: Tensor, sin: Tensor, k: Tensor) -> bool:
     batch, n_new, _, head_dim = k.shape
     return (cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1:] == (n_new, head_dim)
             and cos.shape[0] in (1, batch) and cos.stride() == sin.stride() and cos.stride(-1) == 1
-            and cos.is_floating_point() and sin.is_floating_point())
+            and cos.is_floating_point() and sin.is_floating_point() and cos.device == sin.device == k.device)
 
 
 def patch_rotary_attention(patches: Patches, layers, passes_softcap: bool = False) -> str:
