@@ -47,12 +47,15 @@ def test_float16_padded_head_dim(device):
     _check(q, k, v, [48, 30], torch.float16, num_splits=2)
 
 
-def test_empty_sequence_and_length_past_the_cache(device):
-    """Length 0: zero output; a length past the cache is clamped to it (no read out of bounds)."""
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_empty_sequence_and_length_past_the_cache(num_splits, device):
+    """Length 0: zero output; a length past the cache is clamped to it (no read out of bounds);
+    with one split (the output written by the split kernel, no merge) and with two."""
     q, k, v = _inputs(2, 2, 1, 1, 20, 16, torch.float32, device)
-    out = _check(q, k, v, [0, 20], torch.float32, num_splits=2)
+    out = _check(q, k, v, [0, 20], torch.float32, num_splits=num_splits)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
-    past = ops.decode_attention(q, k, v, torch.tensor([0, 25], dtype=torch.int32, device=device), num_splits=2)
+    past = ops.decode_attention(q, k, v, torch.tensor([0, 25], dtype=torch.int32, device=device),
+                                num_splits=num_splits)
     assert torch.equal(past, out)
 
 

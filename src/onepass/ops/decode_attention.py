@@ -13,6 +13,8 @@ partial output and LSE per row and split (fp32); a second kernel merges the spli
 
     o = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
 
+With one split the program writes o itself and there is no second launch.
+
 Byte budget (B batch, Hk kv heads, L valid positions, head dim D, element size e):
 
     unfused PyTorch (SDPA on the cache, repeated kv)   fused minimum
@@ -62,11 +64,11 @@ MERGE_WARPS = 4
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr, o_ptr,
     q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
-    n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap,
+    o_stride_b, o_stride_h, o_stride_t, n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap,
     SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid = tl.program_id(0)  # a 1-D grid, splits fastest: batch * kv heads is not bound by grid axis 1's 65535
     split = pid % n_splits
@@ -96,6 +98,10 @@ def _decode_split_kernel(
                                _arange(BLOCK_N, LONG), offs_d, n_tokens, seqlen, seqlen - n_tokens, 0, 0,
                                scale, softcap, True, False, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     o, lse = _softmax_finish(acc, l_i, m_i)
+    if DIRECT:  # one split: o is the output
+        tl.store(o_ptr + b64 * o_stride_b + h64[:, None] * o_stride_h + t[:, None] * o_stride_t + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        return
     part = (b64 * n_kv_heads * group + h64) * n_tokens + t  # row of [B * H * Tq, splits, D]
     at = part * n_splits + split
     tl.store(o_part_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
@@ -158,17 +164,19 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
         block_n, num_warps, num_stages = DECODE_CONFIGS[max(64, block_d_for(head_dim))]
     block_d = block_d_for(head_dim)
     rows = batch * heads * n_tokens
-    o_part = torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((rows, splits), dtype=torch.float32, device=q.device)
+    direct = splits == 1
+    o_part = ov if direct else torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
+    lse_part = ov if direct else torch.empty((rows, splits), dtype=torch.float32, device=q.device)
     launch(_decode_split_kernel, (splits * batch * kv_heads,),
-        qv, kv, vv, cache_seqlens, o_part, lse_part,
-        *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3],
+        qv, kv, vv, cache_seqlens, o_part, lse_part, ov,
+        *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3], *ov.stride()[:3],
         kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0,
         SOFTCAP=bool(softcap), HEAD_DIM=head_dim, BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
         BLOCK_N=block_n, BLOCK_D=block_d, LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
-        PRECISION=precision_for(q.dtype), num_warps=num_warps,
-        num_stages=num_stages,
+        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, DIRECT=direct,
     )
+    if direct:
+        return out
     launch(_decode_merge_kernel, (rows,),
         o_part, lse_part, ov, heads, n_tokens, splits, *ov.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=MERGE_WARPS,
