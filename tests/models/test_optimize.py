@@ -67,6 +67,47 @@ def test_logits_loss_and_gradients_match(family, device):
         _assert_close(g, ref_grads[name], f"d {name}")
 
 
+@pytest.mark.parametrize("family, norms", [
+    ("llama", ("input_layernorm", "post_attention_layernorm")),
+    ("gemma2", ("input_layernorm", "pre_feedforward_layernorm")),
+    ("gpt2", ("ln_1", "ln_2")),
+])
+def test_norm_hooks_see_hf_tensors_and_may_replace_the_output(family, norms, device):
+    """Forward hooks on a layer's fused norms, one registered before optimize (on the module it
+    swaps out) and one after, see the input and output HF's layer gives them, and an output
+    they replace is used: loss and every gradient match HF with the same hooks (recompute on)."""
+    ref = tiny.build(family).to(device)
+    model = copy.deepcopy(ref)
+    seen = {"ref": [], "model": []}
+
+    def hook(tag):
+        def scale(module, args, out):
+            seen[tag].append((args[0].detach(), out.detach()))
+            return out * 1.5
+        return scale
+
+    def layer(m):
+        return (m.transformer.h if family == "gpt2" else m.model.layers)[0]
+
+    getattr(layer(ref), norms[0]).register_forward_hook(hook("ref"))
+    getattr(layer(model), norms[0]).register_forward_hook(hook("model"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    getattr(layer(ref), norms[1]).register_forward_hook(hook("ref"))
+    getattr(layer(model), norms[1]).register_forward_hook(hook("model"))
+    ids = _batch().to(device)
+    loss, grads = _loss_and_grads(model, ids)
+    ref_loss, ref_grads = _loss_and_grads(ref, ids)
+    assert len(seen["model"]) == len(seen["ref"]) == 2
+    for (x, y), (x_ref, y_ref) in zip(seen["model"], seen["ref"]):
+        _assert_close(x, x_ref, "hooked input")
+        _assert_close(y, y_ref, "hooked output")
+    _assert_close(loss, ref_loss, "loss")
+    for name, g in grads.items():
+        _assert_close(g, ref_grads[name], f"d {name}")
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_training_forward_builds_no_kv_cache_unless_asked(family, device):
     model, _ = _pair(family, device)

@@ -74,12 +74,49 @@ class Patches:
 # ------------------------------------------------------------------------------ norms
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _swap_norm(patches: Patches, parent: nn.Module, name: str, drop_in: nn.Module) -> None:
+    """``parent.name = drop_in``, the drop-in sharing the replaced module's hook registries, so
+    hooks registered before ``optimize`` keep firing (and their handles keep removing them)."""
+    for hooks in _HOOK_DICTS:
+        setattr(drop_in, hooks, getattr(getattr(parent, name), hooks))
+    patches.set(parent, name, drop_in)
+
+
 def swap_rms_norm(patches: Patches, parent: nn.Module, name: str, offset: float = 0.0) -> None:
-    patches.set(parent, name, onn.RMSNorm.from_hf(getattr(parent, name), offset))
+    _swap_norm(patches, parent, name, onn.RMSNorm.from_hf(getattr(parent, name), offset))
 
 
 def swap_layer_norm(patches: Patches, parent: nn.Module, name: str) -> None:
-    patches.set(parent, name, onn.LayerNorm.from_hf(getattr(parent, name)))
+    _swap_norm(patches, parent, name, onn.LayerNorm.from_hf(getattr(parent, name)))
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether any of ``modules`` has forward or backward hooks, or global forward hooks are
+    set: then a fused path that skips calling the module would skip the hooks."""
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                       for m in modules))
+
+
+def norm_passing_input(norm: nn.Module, h: Tensor) -> tuple[Tensor, Tensor]:
+    """``(norm(h), h)`` with h handed on through the norm's node (``norm.passing_input``); a
+    norm with hooks is called as HF calls it, so the hooks see h and may replace the output."""
+    if hooked(norm):
+        return norm(h), h
+    return norm.passing_input(h)
+
+
+def add_norm(norm: nn.Module, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """``(norm(h + x), h + x)`` in one fused pass (``norm(x, h)``); a norm with hooks is
+    called on the sum as HF calls it, so the hooks see it and may replace the output."""
+    if hooked(norm):
+        h = h + x
+        return norm(h), h
+    return norm(x, h)
 
 
 def swap_decoder_rms_norms(patches: Patches, model: nn.Module, layer_fused: Callable, recompute: bool,
@@ -290,8 +327,9 @@ def after_norm(recompute: bool, fn: Callable[[Tensor], Any], normed: Tensor, nor
     """``fn(normed)`` where ``normed`` is ``norm(h)``, or the first output of
     ``norm(x, residual)`` whose second is ``h``; with ``recompute``, normed is rebuilt in
     backward by ``norm.forward(h)``: the same kernel on the same stored h (the fused add
-    normalises h as stored, rounded to its dtype), so the same values."""
-    if not recompute:
+    normalises h as stored, rounded to its dtype), so the same values. Not when the norm has
+    hooks, which may have replaced its output."""
+    if not recompute or hooked(norm):
         return fn(normed)
     return with_recomputed(fn, normed, norm.forward, (h,), tuple(norm.parameters(recurse=False)))
 
@@ -364,9 +402,7 @@ def mlp_plus_residual(recompute: bool, mlp: nn.Module, normed: Tensor, norm: nn.
     ``after_norm``). An MLP running onepass's forward without hooks (whose output would
     otherwise include h) takes h itself, so that a decode step adds it inside the down
     projection's launch instead of a separate add."""
-    hooks = (mlp._forward_hooks, mlp._forward_pre_hooks, nn.modules.module._global_forward_hooks,
-             nn.modules.module._global_forward_pre_hooks)
-    if not recompute and getattr(mlp.forward, "takes_residual", False) and not any(hooks):
+    if not recompute and getattr(mlp.forward, "takes_residual", False) and not hooked(mlp):
         return mlp(normed, residual=h)
     return h + after_norm(recompute, mlp, normed, norm, h)
 

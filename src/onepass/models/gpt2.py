@@ -29,9 +29,9 @@ def _block(self, recompute: bool, hidden_states: Tensor, past_key_values=None, a
         return self.attn(normed, past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache,
                          **kwargs)
 
-    normed, hidden_states = self.ln_1.passing_input(hidden_states)
+    normed, hidden_states = common.norm_passing_input(self.ln_1, hidden_states)
     attn, _ = common.after_norm(recompute, attend, normed, self.ln_1, hidden_states)
-    normed, hidden_states = self.ln_2(attn, hidden_states)
+    normed, hidden_states = common.add_norm(self.ln_2, attn, hidden_states)
     return hidden_states + common.after_norm(recompute, self.mlp, normed, self.ln_2, hidden_states)
 
 
