@@ -452,19 +452,16 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
         if lengths is not None:
             kwargs["cache_seqlens"] = lengths
         layer = _static_layer(past_key_values, self.layer_idx, k, v) if lengths is not None else None
-        if layer is not None and _whole_head_tables(cos, sin, k):
-            # rope inside the append's launch: k stored rotated, q rotated into a new tensor
-            q = kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k.transpose(1, 2), v,
-                                         q.transpose(1, 2), cos, sin)
-            k, v = layer.keys, layer.values
-        else:
+        rope_in_append = layer is not None and _whole_head_tables(cos, sin, k)
+        if not rope_in_append:
             q, k = rope(q, k, cos, sin)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            if layer is not None:
-                kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v)
-                k, v = layer.keys, layer.values
-            elif past_key_values is not None:
-                k, v = past_key_values.update(k, v, self.layer_idx)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if layer is not None:  # one launch; with the tables, k stored rotated and q rotated into a new tensor
+            tables = (q, cos, sin) if rope_in_append else ()
+            rotated = kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v, *tables)
+            q, k, v = (rotated if rope_in_append else q), layer.keys, layer.values
+        elif past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
         extra = {"softcap": self.attn_logit_softcapping} if passes_softcap else {}
         out, weights = attention(

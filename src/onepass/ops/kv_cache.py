@@ -36,18 +36,18 @@ BLOCK_VALUES = 4096  # values of k (and of v) copied a loop step
 @triton.jit
 def _rows(ptr, sb, sh, st, r, n_heads, n_new, d, mask):
     """The [rows, BLOCK_D] tile of rows r (batch, head, token) of a [B, H, T, D] tensor, and its
-    (batch, token) indices."""
+    (batch, head, token) indices."""
     t = r % n_new
     b = r // n_new // n_heads
     h = r // n_new % n_heads
-    return tl.load(ptr + (b * sb + h * sh + t * st)[:, None] + d[None, :], mask=mask), b, t
+    return tl.load(ptr + (b * sb + h * sh + t * st)[:, None] + d[None, :], mask=mask), b, h, t
 
 
 @triton.jit
 def _rotated(x, ptr, sb, sh, st, r, n_heads, n_new, d, head_dim, mask, cos_ptr, sin_ptr, cos_sb, cos_st,
              BLOCK_D: tl.constexpr):
     """x (rows r of ptr's tensor) rotated by the tables' rows at its (batch, token), in x's dtype."""
-    partner, b, t = _rows(ptr, sb, sh, st, r, n_heads, n_new, (d + head_dim // 2) % head_dim, mask)
+    partner, b, _, t = _rows(ptr, sb, sh, st, r, n_heads, n_new, (d + head_dim // 2) % head_dim, mask)
     at = (b * cos_sb + t * cos_st)[:, None] + d[None, :]
     c = tl.load(cos_ptr + at, mask=mask).to(tl.float32)
     s = tl.load(sin_ptr + at, mask=mask).to(tl.float32)
@@ -69,25 +69,21 @@ def _append_kv_kernel(
     if pid > 0:  # a block of q's rows (ROPE only)
         r = ((pid - 1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         mask = (r < n_q_rows)[:, None] & d_ok
-        q, b, t = _rows(q_ptr, q_sb, q_sh, q_st, r, n_q_heads, n_new, d, mask)
+        q, b, h, t = _rows(q_ptr, q_sb, q_sh, q_st, r, n_q_heads, n_new, d, mask)
         q = _rotated(q, q_ptr, q_sb, q_sh, q_st, r, n_q_heads, n_new, d, head_dim, mask, cos_ptr, sin_ptr, cos_sb,
                      cos_st, BLOCK_D)
-        h = r // n_new % n_q_heads
         tl.store(q_out_ptr + (b * qo_sb + h * qo_sh + t * qo_st)[:, None] + d[None, :], q, mask=mask)
         return
     start = tl.load(length_ptr)
     for first in range(0, n_rows, BLOCK_ROWS):
         r = (first + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # rows of k: (batch, head, new token)
-        t = r % n_new
-        b = r // n_new // n_heads
-        h = r // n_new % n_heads
-        pos = start + t
+        pos = start + r % n_new
         mask = ((r < n_rows) & (pos < cache_len))[:, None] & d_ok
-        k, _, _ = _rows(k_ptr, k_sb, k_sh, k_st, r, n_heads, n_new, d, mask)
+        k, b, h, _ = _rows(k_ptr, k_sb, k_sh, k_st, r, n_heads, n_new, d, mask)
         if ROPE:
             k = _rotated(k, k_ptr, k_sb, k_sh, k_st, r, n_heads, n_new, d, head_dim, mask, cos_ptr, sin_ptr, cos_sb,
                          cos_st, BLOCK_D)
-        v, _, _ = _rows(v_ptr, v_sb, v_sh, v_st, r, n_heads, n_new, d, mask)
+        v, _, _, _ = _rows(v_ptr, v_sb, v_sh, v_st, r, n_heads, n_new, d, mask)
         tl.store(k_cache_ptr + (b * kc_sb + h * kc_sh + pos * kc_st)[:, None] + d[None, :], k, mask=mask)
         tl.store(v_cache_ptr + (b * vc_sb + h * vc_sh + pos * vc_st)[:, None] + d[None, :], v, mask=mask)
     tl.store(length_ptr, start + n_new)
