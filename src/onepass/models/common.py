@@ -27,6 +27,7 @@ from onepass import nn as onn
 from onepass import ops
 from onepass.models import projections, tied_embedding
 from onepass.ops import activation, kv_cache
+from onepass.ops._launch import use_triton
 
 FUSED, UNFUSED = "fused", "unfused"
 RECOMPUTED = "on"  # the status of the recompute switch when something is recomputed
@@ -383,7 +384,7 @@ def gated_mlp_forward(act: int, recompute: bool) -> Callable:
     """
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        if projections.mlp_node(self) and projections.nodes_run(x):
+        if projections.mlp_node(self) and use_triton(x):
             return projections.gated_mlp(self, x, act, residual)
         gate, up = projections.linears(x, (self.gate_proj, self.up_proj))
         product = activation.gated(gate, up, act)
