@@ -142,23 +142,27 @@ def test_program_order_in_head_chunks(l2_bytes, causal, varlen, device, monkeypa
 
 
 def test_torch_compile_fullgraph(device):
+    """Also with a scale that changes between calls, which the recompile traces as a
+    symbolic float (a graph break in the checks before)."""
     q, k, v = (t.requires_grad_(True) for t in _qkv((1, 4, 20, 16), (1, 2, 20, 16), torch.float32, device))
 
-    def block(q, k, v):
-        o, lse = ops.attention(q, k, v, causal=True, window=9, return_lse=True)
+    def block(q, k, v, scale):
+        o, lse = ops.attention(q, k, v, causal=True, window=9, scale=scale, return_lse=True)
         return o * 2 + lse[..., None]
 
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    out = compiled(q, k, v)
-    out.sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    eager = block(q, k, v)
-    eager.sum().backward()
-    assert_close(out, eager, torch.float32)
-    for g, t in zip(grads, (q, k, v)):
-        assert_close(g, t.grad, torch.float32)
+    for scale in (0.25, 0.125):
+        out = compiled(q, k, v, scale)
+        out.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        eager = block(q, k, v, scale)
+        eager.sum().backward()
+        assert_close(out, eager, torch.float32)
+        for g, t in zip(grads, (q, k, v)):
+            assert_close(g, t.grad, torch.float32)
+            t.grad = None
 
 
 def test_opcheck(device):

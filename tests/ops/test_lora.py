@@ -121,22 +121,26 @@ def test_autocast(device):
 
 
 def test_torch_compile_fullgraph(device):
+    """Also with a scaling that changes between calls, which the recompile traces as a
+    symbolic float (a graph break in the checks before)."""
     leaves = _leaves(_inputs((2, 3), 16, 12, 4, torch.float32, device))
 
-    def step(x, w, a, b, bias):
-        return ops.lora_linear(x * 2.0, w, a, b, 0.5, bias).square().sum()
+    def step(x, w, a, b, bias, scaling):
+        return ops.lora_linear(x * 2.0, w, a, b, scaling, bias).square().sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    out = compiled(*leaves)
-    out.backward()
-    grads = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    eager = step(*leaves)
-    eager.backward()
-    assert_close(out, eager, torch.float32)
-    for g, t in zip(grads, leaves):
-        assert_close(g, t.grad, torch.float32)
+    for scaling in (0.5, 0.25):
+        out = compiled(*leaves, scaling)
+        out.backward()
+        grads = [t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        eager = step(*leaves, scaling)
+        eager.backward()
+        assert_close(out, eager, torch.float32)
+        for g, t in zip(grads, leaves):
+            assert_close(g, t.grad, torch.float32)
+            t.grad = None
 
 
 def test_opcheck(device):

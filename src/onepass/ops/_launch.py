@@ -9,6 +9,7 @@ checks them).
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -91,6 +92,14 @@ def check_linear(x_name: str, x: torch.Tensor, weight_name: str, weight: torch.T
         if bias.shape != (n,) or bias.dtype != x.dtype:
             raise ValueError(f"{bias_name} must be 1-D of length {n} and dtype {x.dtype}, "
                              f"got {tuple(bias.shape)} {bias.dtype}")
+
+
+def is_number(value) -> bool:
+    """A finite int or float (not a bool), a symbolic one too: torch.compile traces a float as
+    a SymFloat when it differed between compiles (a module attribute, an argument), which
+    ``isinstance(value, float)`` and ``math.isfinite`` refuse (a graph break)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float, torch.SymInt, torch.SymFloat))
+            and -math.inf < value < math.inf)
 
 
 def check_probability(name: str, p: float) -> None:

@@ -70,6 +70,7 @@ from onepass.ops._launch import (
     check_same_device,
     eager_autograd,
     interpreting,
+    is_number,
     launch,
     next_power_of_2,
     num_programs_for,
@@ -732,7 +733,7 @@ def _check(q, k, v, scale, window, softcap, layout, cu_seqlens):
         raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of k/v heads ({hk})")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
-    if scale is not None and not math.isfinite(scale):
+    if scale is not None and not is_number(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     if window is not None:
         sides = (window,) if isinstance(window, int) else tuple(window)

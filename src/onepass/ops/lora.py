@@ -53,6 +53,7 @@ from onepass.ops._launch import (
     check_probability,
     check_same_device,
     eager_autograd,
+    is_number,
     registered_outputs,
     route,
     use_triton,
@@ -176,7 +177,7 @@ def _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
     if lora_b.dim() != 2 or lora_b.shape != (n, rank):
         raise ValueError(f"lora_b must be [{n}, {rank}] (weight's out_features, lora_a's rank), "
                          f"got {tuple(lora_b.shape)}")
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+    if not is_number(scaling):
         raise TypeError(f"scaling must be a finite number, got {scaling!r}")
     check_probability("dropout_p", dropout_p)
     check_same_device(x=x, weight=weight, lora_a=lora_a, lora_b=lora_b, bias=bias)
