@@ -321,6 +321,32 @@ def test_torch_compile_training_step_fullgraph(family, device):
         _assert_close(grads[name], g, f"compiled d {name}")
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_mixed_precision_autocast(family, compiled, device):
+    """fp32 weights under autocast (bf16 on a GPU; fp16 on the CPU, where the interpreter's
+    bf16 ``tl.dot`` is wrong, see the GUIDE), eager and compiled: the loss and every
+    gradient (fp32, as the parameters) match the unoptimized model's under the same autocast."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    model, ref = _pair(family, device)
+    ids = _batch().to(device)
+
+    def step(m):
+        m.train()
+        run = torch.compile(m, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor") if compiled else m
+        with torch.autocast(device, dtype=dtype):
+            loss = run(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    (loss, grads), (ref_loss, ref_grads) = step(model), step(ref)
+    assert rel_error(loss, ref_loss) <= TOLERANCE[dtype], "loss"
+    for name, g in ref_grads.items():
+        assert grads[name].dtype == torch.float32, name
+        err = rel_error(grads[name], g)
+        assert err <= TOLERANCE[dtype], f"d {name}: relative error {err:.3g}"
+
+
 def test_torch_compile_runs_the_onepass_attention_kernel(device, monkeypatch):
     """Under torch.compile, HF would materialise the causal mask (its skip test is off while
     tracing) and send attention to SDPA; the onepass mask function leaves it to the kernel."""
