@@ -303,11 +303,11 @@ def test_torch_compile_fullgraph(device):
         _assert_close(compiled(ids).logits, ref(ids).logits, "compiled logits")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_torch_compile_training_step_fullgraph(family, device):
     """A training forward with labels (the fused loss, the unfilled cache) compiles as one
-    graph, and its loss and gradients match the unoptimized model's; with the projection
-    nodes inside it (q/k/v biases in Qwen2, GeGLU and soft-caps in Gemma 2)."""
+    graph, and its loss and gradients match the unoptimized model's, for every family (the
+    projection nodes inside it: q/k/v biases in Qwen2, GeGLU and soft-caps in Gemma 2)."""
     model, ref = _pair(family, device)
     model.train(), ref.train()
     ids = _batch().to(device)
