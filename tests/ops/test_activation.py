@@ -72,6 +72,19 @@ def test_empty(op, device):
     assert torch.equal(b.grad, torch.zeros_like(b))
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [(4, 0), (3, 2, 0), (0,)])
+def test_no_columns(op, shape, device):
+    """A last dim of 0: empty results and gradients, as PyTorch."""
+    a, b = _inputs(op, shape, torch.float32, device)
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    y = _apply(op, ops, a, b)
+    assert y.shape == shape
+    y.sum().backward()
+    assert a.grad.shape == shape and b.grad.shape == b.shape
+
+
 def test_bias_in_another_dtype(device):
     x = torch.randn(9, 70, dtype=torch.bfloat16, device=device)
     b = torch.randn(70, dtype=torch.float32, device=device)

@@ -120,6 +120,8 @@ def _bad(device, **change):
     ({"beta2": 1.0}, ValueError, "beta2 must be in [0, 1)"),
     ({"weight_decay": -0.1}, ValueError, "weight_decay"),
     ({"step": 0}, ValueError, "step must be >= 1"),
+    ({"step": 1.5}, ValueError, "step must be a whole number"),
+    ({"lr": float("inf")}, ValueError, "lr must be a finite number"),
 ])
 def test_bad_input_raises(change, error, words, device):
     call = _bad(device, **change)

@@ -175,6 +175,15 @@ def test_opcheck(device):
         torch.library.opcheck(_attention_fwd, args)
 
 
+@pytest.mark.parametrize("offsets", [[0, 4, 8], [0, 4, 12], [1, 4, 10], [0, 6, 4, 10]])
+def test_cu_seqlens_that_do_not_cover_the_rows_raise(offsets):
+    """On the CPU (read without a sync) offsets must go from 0 to the total without
+    decreasing; before, the rows they missed came back unwritten."""
+    q = torch.randn(10, 2, 16)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ops.attention(q, q, q, layout="bshd", cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda q, k, v: ops.attention(q, k.half(), v), TypeError, "dtype"),
     (lambda q, k, v: ops.attention(q.long(), k, v), TypeError, "q"),
@@ -185,6 +194,7 @@ def test_opcheck(device):
     (lambda q, k, v: ops.attention(q, k[:1], v[:1]), ValueError, "batch"),
     (lambda q, k, v: ops.attention(q, k, v, layout="sbhd"), ValueError, "layout"),
     (lambda q, k, v: ops.attention(q, k, v, softcap=-1.0), ValueError, "softcap"),
+    (lambda q, k, v: ops.attention(q, k, v, softcap=float("inf")), ValueError, "softcap"),
     (lambda q, k, v: ops.attention(q, k, v, window=0), ValueError, "window"),
     (lambda q, k, v: ops.attention(q, k, v, window=(1, 2, 3)), ValueError, "window"),
     (lambda q, k, v: ops.attention(q[0], k[0], v[0], layout="bshd",

@@ -184,6 +184,16 @@ def test_empty_batch(device):
     assert loss.item() == 0 and x.grad.shape == (0, 10)
 
 
+def test_pred_of_all_minus_inf_rows_is_column_0(device):
+    """As torch.argmax: a row whose every logit is -inf predicts 0, rows starting off the
+    16-byte alignment included (41 columns: each row starts elsewhere in the group)."""
+    x = torch.randn(3, 41, device=device)
+    x[1:] = float("-inf")
+    pred = ops.cross_entropy(x, torch.zeros(3, dtype=torch.long, device=device), reduction="none",
+                             return_pred=True)[2]
+    assert pred.tolist() == x.argmax(-1).tolist()
+
+
 # --------------------------------------------------------------- gradient buffer
 
 
@@ -289,6 +299,8 @@ def test_out_of_range_target_raises_and_writes_nothing(bad, device):
     (lambda x, t: ops.cross_entropy(x, t, label_smoothing=1.5), ValueError, "label_smoothing"),
     (lambda x, t: ops.cross_entropy(x, t, z_loss=-1.0), ValueError, "z_loss"),
     (lambda x, t: ops.cross_entropy(x, t, softcap=0.0), ValueError, "softcap"),
+    (lambda x, t: ops.cross_entropy(x, t, softcap=float("inf")), ValueError, "softcap"),
+    (lambda x, t: ops.cross_entropy(x, t, z_loss=float("nan")), ValueError, "z_loss"),
     (lambda x, t: ops.cross_entropy(x[:, :0], t), ValueError, "class"),
     (lambda x, t: ops.cross_entropy(x, t.to("meta")), ValueError, "device"),
 ])

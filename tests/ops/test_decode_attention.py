@@ -105,6 +105,10 @@ def test_torch_compile_fullgraph_and_opcheck(device):
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s, layout="bsd"), ValueError, "layout"),
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s, softcap=0.0), ValueError, "softcap"),
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s, num_splits=0), ValueError, "num_splits"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, num_splits=2.5), ValueError, "num_splits"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, scale=float("nan")), ValueError, "scale"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, softcap=float("inf")), ValueError, "softcap"),
+    (lambda q, k, v, s: ops.decode_attention(q.requires_grad_(), k, v, s), ValueError, "no autograd"),
 ])
 def test_bad_input_raises(call, error, words, device):
     q, k, v = _inputs(2, 6, 2, 1, 32, 16, torch.float32, device)

@@ -79,6 +79,19 @@ def test_strided_rows(device):
     _check_linear(x, weights, biases, torch.float32)
 
 
+def test_strided_and_expanded_biases(device):
+    """Biases that are a strided slice or an expanded scalar (stride 0): the kernel reads a
+    bias at unit stride, so the launcher hands it a contiguous one."""
+    x = torch.randn(2, 16, device=device)
+    weights, _ = _weights(16, (4, 4), torch.float32, device)
+    biases = [torch.randn(8, device=device)[::2], torch.randn(1, device=device).expand(4)]
+    _check_linear(x, weights, biases, torch.float32)
+    with torch.no_grad():
+        out = ops.decode_gated_linear(x, *weights, "silu", *biases)
+    ref = reference.decode_gated_linear(x.double(), *(w.double() for w in weights), "silu", *_double(biases))
+    assert_close(out, ref, torch.float32)
+
+
 def test_more_rows_than_the_kernel_takes_run_f_linear(device):
     x = torch.randn(decode_linear_module.MAX_ROWS + 1, 32, device=device)
     weights, biases = _weights(32, (16, 8), torch.float32, device)

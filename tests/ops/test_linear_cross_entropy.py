@@ -96,6 +96,16 @@ def test_empty_batch(device):
     assert loss.item() == 0 and h.grad.shape == (0, 8) and not w.grad.any()
 
 
+def test_no_hidden_features(device):
+    """Hidden size 0: every logit is 0 (the loss is log V) and the gradients are empty, as PyTorch."""
+    h = torch.randn(3, 0, device=device, requires_grad=True)
+    w = torch.randn(5, 0, device=device, requires_grad=True)
+    loss = ops.linear_cross_entropy(h, w, torch.tensor([0, 1, 4], device=device))
+    loss.backward()
+    assert_close(loss, torch.tensor(5.0).log(), torch.float32)
+    assert h.grad.shape == (3, 0) and w.grad.shape == (5, 0)
+
+
 def test_chunk_size_from_the_accumulator():
     # 512 x accumulator bytes, evened out over the chunks, multiples of 64
     assert chunk_tokens(8192, torch.float32) == 2048
@@ -159,6 +169,7 @@ def test_opcheck(device):
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t[:2]), ValueError, "target"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, accum_dtype=torch.float16), TypeError, "accum_dtype"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, chunk_size=0), ValueError, "chunk_size"),
+    (lambda h, w, t: ops.linear_cross_entropy(h, w, t, chunk_size=2.5), ValueError, "chunk_size"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, reduction="avg"), ValueError, "reduction"),
 ])
 def test_bad_input_raises(call, error, words, device):

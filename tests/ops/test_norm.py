@@ -92,6 +92,18 @@ def test_empty_input(kind, device):
     assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_of_no_features(kind, device):
+    """A last dim of 0 (rows but no features): empty results and gradients, as PyTorch."""
+    x = torch.randn(4, 0, device=device, requires_grad=True)
+    res = torch.randn(4, 0, device=device, requires_grad=True)
+    w = torch.randn(0, device=device, requires_grad=True)
+    outs, _ = _call(kind, x, res if kind.startswith("add") else None, w, None)
+    assert all(o.shape == (4, 0) for o in outs)
+    sum(o.sum() for o in outs).backward()
+    assert x.grad.shape == (4, 0) and w.grad.shape == (0,)
+
+
 @pytest.mark.parametrize("leaves", [True, False])
 def test_residual_gradients_of_leaves_and_of_intermediates(leaves, device):
     """Leaf x and residual get two gradient tensors from the kernel (no clone by autograd);

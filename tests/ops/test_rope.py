@@ -149,6 +149,9 @@ def test_empty(device):
     qo, ko = ops.rope(q, k, cos, sin)
     (qo.sum() + ko.sum()).backward()
     assert qo.shape == q.shape and q.grad.shape == q.shape
+    for position_ids in (None, torch.zeros(2, 0, dtype=torch.long, device=device)):  # the CPU fallback's path
+        ref_q, ref_k = reference.rope(q, k, cos, sin, position_ids)
+        assert ref_q.shape == q.shape and ref_k.shape == k.shape
 
 
 # ------------------------------------------------------------- compile and opcheck

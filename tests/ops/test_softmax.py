@@ -111,6 +111,17 @@ def test_many_batch_dims_and_a_mask_that_cannot_merge(device):
     _check(x, torch.float32, mask=mask)
 
 
+def test_nan_or_inf_in_a_row_gives_nan_as_torch(device):
+    """A row holding NaN or +inf comes out all NaN, as torch.softmax gives it (a NaN sum is
+    not taken for a fully masked row's 0), in the one-block and the two-pass kernels."""
+    for n in (8, 40000):
+        x = torch.randn(3, n, device=device)
+        x[0, 1], x[1, 2] = float("nan"), float("inf")
+        y = ops.softmax(x)
+        assert y[:2].isnan().all()
+        assert_close(y[2], torch.softmax(x[2], -1), torch.float32)
+
+
 def test_empty(device):
     for shape in [(0, 16), (3, 0), (2, 0, 5)]:
         x = torch.randn(shape, device=device, requires_grad=True)

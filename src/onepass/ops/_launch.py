@@ -129,7 +129,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as [rows, last dim] with unit stride along the row; copies only if it must."""
     if x.dim() == 2 and x.stride(1) == 1:
         return x
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)  # (-1 fails at 0 columns)
     return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
 
 

@@ -229,7 +229,7 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
     col_tiles, row_tiles = cdiv(n, block_n), cdiv(m, block_m)
     # with a bias, enough row groups to fill the device; each owns one partial row of db
     groups = 1
-    if bias is not None and m:
+    if bias is not None and m and n:
         groups = max(1, min(row_tiles, num_programs_for(x.device) * BIAS_BWD_PROGRAMS_PER_SM // col_tiles))
     tiles_per_program = cdiv(row_tiles, groups)
     groups = cdiv(row_tiles, tiles_per_program) if m else 0

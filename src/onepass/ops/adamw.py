@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import FLOAT_DTYPES, cdiv, launch, use_triton
+from onepass.ops._launch import FLOAT_DTYPES, cdiv, is_number, launch, use_triton
 from onepass.reference.optim import bias_corrections
 
 # Launch tunables (H200, bf16, see the module docstring): values a program, warps.
@@ -113,6 +113,9 @@ def columns_by(key, quads) -> dict:
 
 
 def check_hyperparameters(lr, beta1, beta2, eps, weight_decay) -> None:
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not is_number(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
     if not 0.0 <= lr:
         raise ValueError(f"lr must be >= 0, got {lr}")
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
@@ -156,6 +159,8 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     Each i-th params, grads, exp_avgs, exp_avg_sqs share a shape, dtype and device; the
     math runs in fp32 and each result is rounded once to its tensor's dtype.
     """
+    if int(step) != step:
+        raise ValueError(f"step must be a whole number (the count including this step), got {step}")
     lr, beta1, beta2, eps, weight_decay, step = (float(lr), float(beta1), float(beta2), float(eps),
                                                  float(weight_decay), int(step))
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step)

@@ -75,6 +75,7 @@ from onepass.ops._launch import (
     next_power_of_2,
     num_programs_for,
     route,
+    tracing,
     unit_stride,
     use_triton,
 )
@@ -717,6 +718,11 @@ def _check(q, k, v, scale, window, softcap, layout, cu_seqlens):
         if not q.shape[0] == k.shape[0] == v.shape[0]:
             raise ValueError(f"packed q, k and v must have one total length, got {q.shape[0]}, {k.shape[0]}, "
                              f"{v.shape[0]}")
+        if cu_seqlens.device.type == "cpu" and not tracing(cu_seqlens):  # (on a GPU, reading it would sync)
+            offsets = cu_seqlens.tolist()
+            if offsets[0] != 0 or offsets[-1] != q.shape[0] or offsets != sorted(offsets):
+                raise ValueError(f"cu_seqlens must go from 0 to the total length {q.shape[0]} without decreasing, "
+                                 f"got {offsets}")
     elif q.dim() != 4:
         raise ValueError(f"q must be 4-D [{', '.join(layout.upper())}], got shape {tuple(q.shape)}")
     if k.shape != v.shape or k.dim() != q.dim():
@@ -731,8 +737,8 @@ def _check(q, k, v, scale, window, softcap, layout, cu_seqlens):
     hq, hk = q.shape[head_axis], k.shape[head_axis]
     if hk == 0 or hq % hk:
         raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of k/v heads ({hk})")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
+    if softcap is not None and not (is_number(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
     if scale is not None and not is_number(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     if window is not None:
@@ -761,7 +767,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     - ``softcap``: logits soft-capping ``c * tanh(s / c)`` (Gemma 2), with its derivative.
     - ``cu_seqlens``: variable-length packed sequences: q, k, v are [total, H, D] and
       sequence i holds rows cu_seqlens[i]:cu_seqlens[i+1] (int32, cu_seqlens[-1] == total),
-      each attending only within itself; ``layout`` must be "bshd".
+      each attending only within itself; ``layout`` must be "bshd". Checked on the CPU; a
+      GPU tensor is not read on the host (no sync), so offsets that break this there leave
+      the rows they do not cover unwritten.
     - ``return_lse``: also return the log-sum-exp of the scores, fp32 [B, H, S_q]
       ([H, total] with cu_seqlens), differentiable too.
 

@@ -69,6 +69,7 @@ from onepass.ops._launch import (
     check_float,
     check_same_device,
     flat,
+    is_number,
     launch,
     next_power_of_2,
     num_programs_for,
@@ -185,7 +186,7 @@ def _cross_entropy_fwd_kernel(
     m = tl.full((), -3.0e38, tl.float32)
     s = tl.zeros((), tl.float32)
     z_sum = tl.zeros((), tl.float32)
-    arg = tl.zeros((), tl.int32)
+    arg = lead + tl.zeros((), tl.int32)  # column 0 (as torch.argmax) when no logit beats the start (all -inf)
     x_next = tl.load(x_al + H * ALIGN + cols, mask=H * ALIGN + cols < group_end, other=0.0)
     head_ok = (edge >= lead) & (edge < H * ALIGN) & (edge < lead + n_cols)
     if ALIGN > 1:  # (empty otherwise: no reductions spent on them)
@@ -417,7 +418,8 @@ def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap,
 @torch.library.custom_op("onepass::scale_grad_", mutates_args=("grad",))
 def _scale_grad_(grad: Tensor, dloss: Tensor) -> None:
     """grad *= dloss in place, rows of grad's last dim against dloss's elements (or a scalar)."""
-    scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1), dloss)
+    if grad.numel():  # (an empty grad has nothing to scale, and view(-1, 0) is ambiguous)
+        scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1), dloss)
 
 
 @_scale_grad_.register_fake
@@ -499,10 +501,10 @@ def check_loss_options(target, n_cols, ignore_index, reduction, label_smoothing,
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not (is_number(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if softcap is not None and not (is_number(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 

@@ -42,6 +42,7 @@ from onepass.ops._launch import (
     check_float,
     check_same_device,
     interpreting,
+    is_number,
     launch,
     next_power_of_2,
     num_programs_for,
@@ -200,7 +201,7 @@ def _(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
 # ---------------------------------------------------------------- public function
 
 
-def _check(q, k_cache, v_cache, cache_seqlens, softcap, layout, num_splits):
+def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_float(name, t)
         if t.dim() != 4:
@@ -229,10 +230,16 @@ def _check(q, k_cache, v_cache, cache_seqlens, softcap, layout, num_splits):
     if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32 \
             or cache_seqlens.shape != (batch,):
         raise ValueError(f"cache_seqlens must be an int32 tensor of shape ({batch},) (valid length per sequence)")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
-    if num_splits is not None and not 1 <= num_splits <= 1024:
-        raise ValueError(f"num_splits must be 1 to 1024, got {num_splits}")
+    if scale is not None and not is_number(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if softcap is not None and not (is_number(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= 1024):
+        raise ValueError(f"num_splits must be an int from 1 to 1024, got {num_splits!r}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise ValueError("decode_attention is inference only (no autograd): call it under torch.no_grad() or on "
+                         "tensors that do not require grad; use attention() for training")
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
@@ -246,7 +253,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     causal among themselves (lengths above L_max are clamped to it). ``num_splits``
     overrides the split of the cache length (default: enough to fill the GPU twice).
     """
-    _check(q, k_cache, v_cache, cache_seqlens, softcap, layout, num_splits)
+    _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_triton(q):
         return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout)

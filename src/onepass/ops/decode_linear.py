@@ -165,7 +165,8 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     block_n, block_k, num_warps, num_stages = _config(x, block_m, sum(o.shape[-1] for o in outs), gated)
     ws = [w.contiguous() for w in weights] + [weights[0]] * (MAX_WEIGHTS - len(weights))
     has_bias = any(b is not None for b in biases)
-    bs = [b if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)] if has_bias else []
+    bs = ([b.contiguous() if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
+          if has_bias else [])  # the kernel reads a bias at unit stride
     bs += [ws[0]] * (MAX_WEIGHTS - len(bs))
     ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
     r2 = as_rows(residual) if residual is not None else x2

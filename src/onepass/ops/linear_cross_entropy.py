@@ -219,8 +219,8 @@ def _check(hidden, weight, target, bias, accum_dtype, chunk_size):
     check_linear("hidden", hidden, "weight", weight, "bias", bias, out_name="vocab")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
 
 

@@ -103,7 +103,7 @@ def _softmax_fwd_kernel(
         mx = tl.where(mx == -float("inf"), 0.0, mx)  # a fully masked row: every exp2(-inf) = 0, no NaN
         e = tl.exp2(z - mx[:, None])
         total = tl.sum(e, axis=1)
-        inv = 1.0 / tl.where(total > 0, total, 1.0)  # total = 0: every e is 0, y = 0
+        inv = 1.0 / tl.where(total == 0, 1.0, total)  # total = 0: every e is 0, y = 0 (a NaN total stays NaN)
         tl.store(y_row + cols, (e * inv[:, None]).to(y_ptr.dtype.element_ty), mask=in_rows & (cols < n_cols))
     else:
         # Pass 1: online max and sum over the visible prefix only (masked blocks skipped).
@@ -117,7 +117,7 @@ def _softmax_fwd_kernel(
             total = total * tl.exp2(mx - safe) + tl.sum(tl.exp2(z - safe[:, None]), axis=1)
             mx = new_mx
         mx = tl.where(mx == -float("inf"), 0.0, mx)
-        inv = 1.0 / tl.where(total > 0, total, 1.0)  # total = 0: every e is 0, y = 0
+        inv = 1.0 / tl.where(total == 0, 1.0, total)  # total = 0: every e is 0, y = 0 (a NaN total stays NaN)
         # Pass 2: write every column; the hidden tail is not read and comes out 0.
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import torch
 
 from onepass.reference._dtype import compute_dtype
@@ -19,10 +21,10 @@ def rotate_every_two(x):
 def _tables(cos, position_ids, layout):
     """cos as [B or 1, S, R] (gathered through position_ids if given), unsqueezed at the heads dim."""
     if position_ids is not None:
-        cos = cos.reshape(-1, cos.shape[-1])[position_ids.reshape(-1, position_ids.shape[-1])]
+        cos = cos.reshape(-1, cos.shape[-1])[position_ids.reshape(math.prod(position_ids.shape[:-1]), -1)]
     elif cos.dim() == 4:  # HF callers that already unsqueezed the heads dim
         cos = cos.squeeze(1 if layout == "bhsd" else 2)
-    cos = cos.reshape(-1, *cos.shape[-2:])
+    cos = cos.reshape(math.prod(cos.shape[:-2]), *cos.shape[-2:])  # (-1 is ambiguous with no tokens)
     return cos.unsqueeze(1 if layout == "bhsd" else 2)
 
 
