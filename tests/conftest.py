@@ -17,6 +17,14 @@ def poison_uninitialized_memory():
 
 
 @pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles as in a fresh process: torch.compile's caches emptied first. One
+    process compiling every family's models would otherwise pass dynamo's recompile limit
+    (8 per code object) in the functions the families share, and fullgraph fails there."""
+    torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
 def seed_from_test_name(request):
     """Random inputs differ from test to test but not from run to run, whatever the order or
     selection of tests: a failure seen once is seen again."""
