@@ -21,9 +21,7 @@ __all__ = ["__version__", *_LAZY, *_LAZY_FUNCTIONS]
 
 
 def __getattr__(name):
-    if name == "analyze":  # the function, not its package
-        return importlib.import_module("onepass.analyze").analyze
-    if name in _LAZY:
+    if name in _LAZY:  # (the analyze package is callable: onepass.analyze(model, ...) runs its analyze)
         return importlib.import_module(_LAZY[name])
     if name in _LAZY_FUNCTIONS:
         return getattr(importlib.import_module(_LAZY_FUNCTIONS[name]), name)

@@ -115,3 +115,15 @@ def test_measured_side_on_gpu(tmp_path):
     assert os.path.getsize(tmp_path / "trace.json") > 0
     paths = report.write(str(tmp_path / "rep"))
     assert "Measured on" in open(paths[1]).read()
+
+
+def test_onepass_analyze_stays_callable_and_leaves_no_gradients():
+    """``onepass.analyze`` is the package once imported: calling it still runs ``analyze``;
+    a train step's backward leaves the model's .grad as it found them."""
+    import onepass
+
+    model = build("llama-tiny", "cpu", torch.float32)
+    ids = torch.randint(0, 200, (1, 8))
+    for _ in range(2):
+        assert onepass.analyze(model, ids, labels=ids, mode="train").mode == "train"
+    assert all(p.grad is None for p in model.parameters())

@@ -110,6 +110,21 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     assert len(ropes) == 2 + 2 * 6  # padded prompts: every step's rope apart
 
 
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_optimized_model_with_a_cache_far_longer_than_the_prompt(family, device):
+    """Soft-capped (Gemma 2) and sliding-window (Mistral) models whose prefill falls back from
+    the kernel (the prompt is shorter than the static cache): the same tokens as unoptimized."""
+    ref = tiny.build(family).to(device).eval()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    ids = _prompts(device=device)
+    settings = {"pad_token_id": PAD, "cuda_graph": False}
+    got, want = (Decoder(m, 2, 64, **settings).generate(ids, 6) for m in (model, ref))
+    assert torch.equal(got, want)
+
+
 def test_hooked_mlp_sees_its_own_output(device):
     """With a forward hook on a layer's MLP, the optimized inference forward hands the hook the
     MLP's output (not the residual sum the decode route would fold into down_proj)."""

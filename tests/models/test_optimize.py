@@ -294,6 +294,70 @@ def test_generate_matches(device):
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+def test_static_cache_prefill_matches(family, device):
+    """A prompt into a static cache much longer than it: HF hands the full-attention layers
+    no mask (SDPA's is_causal covers it), so onepass's fallbacks must spell the causal mask
+    out (Gemma 2's soft-capped eager path attended to every slot before)."""
+    from transformers import StaticCache
+
+    model, ref = _pair(family, device)
+    model.eval(), ref.eval()
+    ids = _batch().to(device)
+    with torch.no_grad():
+        got = model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=64)).logits
+        want = ref(ids, past_key_values=StaticCache(config=ref.config, max_cache_len=64)).logits
+    _assert_close(got, want, "logits")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_attention_dropout_keeps_the_masks(family, device):
+    """With attention dropout the kernel hands over to SDPA / eager attention, which must get
+    the causal and sliding-window mask the kernel would apply (a dropout too small to drop
+    anything, so the loss must match; a changed last token must not move earlier logits)."""
+    import transformers as tf
+
+    config = tiny.CONFIGS[family]()
+    config.attention_dropout = 1e-9
+    torch.manual_seed(0)
+    ref = tf.AutoModelForCausalLM.from_config(config).float().to(device).train()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    ids = _batch().to(device)
+    _assert_close(model(ids, labels=ids).loss, ref(ids, labels=ids).loss, "loss")
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % tiny.VOCAB
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits[:, :-1], model(changed).logits[:, :-1])
+
+
+def test_deepcopy_runs_its_own_weights_and_undoes_itself(device):
+    """A deepcopy of an optimized model (EMA weights, a frozen reference) computes with its own
+    parameters, and undoing it leaves the original optimized."""
+    model, ref = _pair("llama", device)
+    model.eval()
+    twin = copy.deepcopy(model)
+    ids = _batch().to(device)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        assert not torch.equal(twin(ids).logits, model(ids).logits)
+        onepass.undo(twin)
+        assert model.config._attn_implementation == "onepass" and twin.config._attn_implementation != "onepass"
+        _assert_close(model(ids).logits, ref.eval()(ids).logits, "the original's logits")
+
+
+def test_labels_passed_positionally(device):
+    """As HF's forward takes them: (input_ids, attention_mask, position_ids, past_key_values,
+    inputs_embeds, labels)."""
+    model, ref = _pair("llama", device)
+    ids = _batch().to(device)
+    args = (ids, torch.ones_like(ids), None, None, None, ids)
+    _assert_close(model(*args).loss, ref(*args).loss, "loss")
+
+
 def test_torch_compile_fullgraph(device):
     model, ref = _pair("llama", device)
     model.eval(), ref.eval()
@@ -333,7 +397,8 @@ def test_mixed_precision_autocast(family, compiled, device):
 
     def step(m):
         m.train()
-        run = torch.compile(m, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor") if compiled else m
+        backend = "aot_eager" if device == "cpu" else "inductor"
+        run = torch.compile(m, fullgraph=True, backend=backend) if compiled else m
         with torch.autocast(device, dtype=dtype):
             loss = run(ids, labels=ids).loss
         loss.backward()

@@ -13,7 +13,9 @@ report names are names.
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -71,6 +73,7 @@ def analyze(model_or_fn: Union[torch.nn.Module, Callable], *example_inputs, gpu:
         return model_or_fn(*args, **kwargs)
 
     was_training = model.training if model is not None else None
+    grads = {p: p.grad for p in model.parameters()} if model is not None else {}  # a train step's backward sets them
     if model is not None:
         model.train(mode == "train")
     try:
@@ -86,9 +89,22 @@ def analyze(model_or_fn: Union[torch.nn.Module, Callable], *example_inputs, gpu:
     finally:
         if model is not None:
             model.train(was_training)
+        for p, grad in grads.items():
+            p.grad = grad
     name = title or (type(model).__name__ if model is not None else getattr(model_or_fn, "__name__", "function"))
     shapes = ", ".join("x".join(map(str, t.shape)) for t in example_inputs if isinstance(t, torch.Tensor))
     report = Report(f"{name}, {mode}" + (f", inputs {shapes}" if shapes else ""), mode, spec, Fusion(trace, spec),
                     bool(meta) or any(isinstance(t, torch.Tensor) and t.is_meta for t in example_inputs), seconds,
                     measured, trace_path)
     return report
+
+
+class _CallableModule(types.ModuleType):
+    """Once imported, ``onepass.analyze`` is this package (Python sets the attribute on import),
+    so the package calls ``analyze``: ``onepass.analyze(model, ...)`` works either way."""
+
+    def __call__(self, *args, **kwargs) -> Report:
+        return analyze(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -40,7 +40,7 @@ class Patches:
 
     def __init__(self) -> None:
         self._log: list[tuple[Any, str, bool, Any]] = []
-        self._undo_hooks: list[Callable[[], None]] = []
+        self._undo_calls: list[tuple[Any, str, tuple]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         """``setattr(obj, name, value)``, remembering whether ``obj`` had its own attribute."""
@@ -52,12 +52,14 @@ class Patches:
         """Give this instance its own ``forward`` (an unbound function taking the module first)."""
         self.set(module, "forward", types.MethodType(forward, module))
 
-    def on_undo(self, hook: Callable[[], None]) -> None:
-        self._undo_hooks.append(hook)
+    def on_undo(self, obj: Any, method: str, *args: Any) -> None:
+        """Call ``obj.method(*args)`` on undo. Kept as data, not a closure, so that a deepcopy of
+        the model carries a log that undoes the copy, not the original."""
+        self._undo_calls.append((obj, method, args))
 
     def undo(self) -> None:
-        for hook in reversed(self._undo_hooks):
-            hook()
+        for obj, method, args in reversed(self._undo_calls):
+            getattr(obj, method)(*args)
         for obj, name, had, old in reversed(self._log):
             if isinstance(getattr(obj, name, None), (onn.RMSNorm, onn.LayerNorm)):
                 # Hand the drop-in's current parameters back (load_state_dict(assign=True)
@@ -69,7 +71,7 @@ class Patches:
             else:
                 delattr(obj, name)
         self._log.clear()
-        self._undo_hooks.clear()
+        self._undo_calls.clear()
 
 
 # ------------------------------------------------------------------------------ norms
@@ -534,7 +536,8 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     and softcap are built in). A decode step of ``onepass.Decoder`` (``cache_seqlens``: key
     and value are the whole static cache, each row valid up to its length) runs
     ``decode_attention``. A padding mask, attention dropout or another decode step (fewer
-    queries than keys) goes to PyTorch's SDPA, or to the eager path when softcap is set.
+    queries than keys) goes to PyTorch's SDPA, or to the eager path when softcap is set, with
+    the causal and sliding-window mask spelled out where HF handed none.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -548,11 +551,27 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out = ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
                             scale=scaling, window=sliding_window, softcap=softcap, layout="bshd")
         return out, None
+    if attention_mask is None and (causal or sliding_window is not None):
+        # no mask from HF (it skipped one SDPA's is_causal covers) or from _onepass_mask (the
+        # kernel masks itself): the fallbacks get the mask spelled out, the window included
+        attention_mask, is_causal = _visible(query, key, causal, sliding_window), False
     if softcap is not None:
         return _eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 softcap=softcap)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+def _visible(query: Tensor, key: Tensor, causal: bool, sliding_window: int | None) -> Tensor:
+    """Boolean [q, kv] mask (True: attend) of what the kernel applies without one, aligned as
+    SDPA's is_causal (query i sees keys up to i): causal, and a sliding window of the query
+    and the ``sliding_window - 1`` keys before it."""
+    i = torch.arange(query.shape[2], device=query.device)[:, None]
+    j = torch.arange(key.shape[2], device=query.device)[None, :]
+    ok = j <= i if causal else torch.ones_like(j, dtype=torch.bool)
+    if sliding_window is not None:
+        ok = ok & (j > i - sliding_window)
+    return ok.expand(query.shape[2], key.shape[2])
 
 
 def _onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=None, allow_is_causal_skip=True,
@@ -582,7 +601,7 @@ def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
     AttentionMaskInterface.register("onepass", _onepass_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation("onepass")
-    patches.on_undo(lambda: model.set_attn_implementation(previous))
+    patches.on_undo(model, "set_attn_implementation", previous)
     return f"{FUSED}: attn_implementation 'onepass' (was {previous!r}); padding masks and decode use SDPA"
 
 
@@ -607,7 +626,8 @@ def _unfilled_cache_type() -> type:
 def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     """With labels in training: the base model, then the LM head and the shifted
     cross-entropy in one ``linear_cross_entropy`` (logits never materialised; the output's
-    ``logits`` is None). Otherwise (inference, generate, no labels) the original forward.
+    ``logits`` is None). Otherwise (inference, generate, no labels) the original forward
+    (``original``: a function taking the model first, see ``_unbound_forward``).
     A head weight tied to the input embedding gets one gradient, the embedding's token rows
     added into the head's (``tied_embedding``), not two [V, H] gradients summed by autograd.
 
@@ -620,8 +640,8 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     unfilled_cache = _unfilled_cache_type()
 
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
-        if labels is None or not self.training or args:
-            return original(input_ids, *args, labels=labels, **kwargs)
+        if labels is None or not self.training or args:  # (positional arguments: labels may be among them)
+            return original(self, input_ids, *args, **kwargs, **({} if labels is None else {"labels": labels}))
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         kwargs.pop("logits_to_keep", None)
@@ -655,6 +675,16 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     return forward
 
 
+def _unbound_forward(model: nn.Module) -> Callable:
+    """The model's current forward as a function of the model: its method's function when
+    bound to the model (so a deepcopy of the optimized model runs its own weights), else a
+    call of whatever callable the instance holds."""
+    bound = model.forward
+    if getattr(bound, "__self__", None) is model:
+        return bound.__func__
+    return lambda _model, *args, **kwargs: bound(*args, **kwargs)
+
+
 def patch_lm_loss(patches: Patches, model: nn.Module, softcap: float | None = None) -> str:
     head = getattr(model, "lm_head", None)
     if head is None:
@@ -663,7 +693,7 @@ def patch_lm_loss(patches: Patches, model: nn.Module, softcap: float | None = No
         return f"{UNFUSED}: lm_head is a {type(head).__name__}, not a plain nn.Linear"
     if getattr(ops, "linear_cross_entropy", None) is None:
         return f"{UNFUSED}: onepass.ops.linear_cross_entropy is not in this build"
-    patches.set_forward(model, causal_lm_forward(model.forward, softcap))
+    patches.set_forward(model, causal_lm_forward(_unbound_forward(model), softcap))
     status = f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"
     embed = model.get_input_embeddings()
     if embed is not None and getattr(embed, "weight", None) is head.weight:
