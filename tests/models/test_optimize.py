@@ -287,8 +287,11 @@ def test_gradient_checkpointing(device):
         _assert_close(g, ref_grads[name], f"d {name}")
 
 
-def test_generate_matches(device):
-    model, ref = _pair("qwen3", device)
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mistral"])
+def test_generate_matches(family, device):
+    """HF's generate (a dynamic cache: a prompt, then one query a step, to which HF hands no
+    mask), soft-capped Gemma 2 and sliding-window Mistral included."""
+    model, ref = _pair(family, device)
     ids = _batch(batch=1, seq=5).to(device)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))

@@ -554,7 +554,7 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if attention_mask is None and (causal or sliding_window is not None):
         # no mask from HF (it skipped one SDPA's is_causal covers) or from _onepass_mask (the
         # kernel masks itself): the fallbacks get the mask spelled out, the window included
-        attention_mask, is_causal = _visible(query, key, causal, sliding_window), False
+        attention_mask, is_causal = _visible(query, key, causal and query.shape[2] > 1, sliding_window), False
     if softcap is not None:
         return _eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 softcap=softcap)
@@ -563,15 +563,16 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _visible(query: Tensor, key: Tensor, causal: bool, sliding_window: int | None) -> Tensor:
-    """Boolean [q, kv] mask (True: attend) of what the kernel applies without one, aligned as
-    SDPA's is_causal (query i sees keys up to i): causal, and a sliding window of the query
-    and the ``sliding_window - 1`` keys before it."""
+    """Boolean [1, 1, q, kv] mask (True: attend) of what HF leaves to SDPA's is_causal when it hands
+    no mask (query i sees keys up to i; the caller passes ``causal`` False for one query,
+    which sees every key, as HF's SDPA call does), and a sliding window of the query and the
+    ``sliding_window - 1`` keys before it."""
     i = torch.arange(query.shape[2], device=query.device)[:, None]
     j = torch.arange(key.shape[2], device=query.device)[None, :]
     ok = j <= i if causal else torch.ones_like(j, dtype=torch.bool)
     if sliding_window is not None:
         ok = ok & (j > i - sliding_window)
-    return ok.expand(query.shape[2], key.shape[2])
+    return ok.expand(1, 1, query.shape[2], key.shape[2])  # [batch, heads, q, kv], as HF's masks
 
 
 def _onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=None, allow_is_causal_skip=True,
