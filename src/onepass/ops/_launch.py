@@ -102,6 +102,23 @@ def is_number(value) -> bool:
             and -math.inf < value < math.inf)
 
 
+def is_int(value) -> bool:
+    """An int and not a bool (a count or a size argument)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_scale(scale) -> None:
+    """None (the default scale) or a finite number (attention's score scale)."""
+    if scale is not None and not is_number(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
+def check_softcap(softcap) -> None:
+    """None or a finite number > 0 (the logit soft-cap of attention and the losses)."""
+    if softcap is not None and not (is_number(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+
+
 def check_probability(name: str, p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")

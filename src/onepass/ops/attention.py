@@ -68,9 +68,10 @@ from onepass.ops._launch import (
     cdiv,
     check_float,
     check_same_device,
+    check_scale,
+    check_softcap,
     eager_autograd,
     interpreting,
-    is_number,
     launch,
     next_power_of_2,
     num_programs_for,
@@ -737,10 +738,8 @@ def _check(q, k, v, scale, window, softcap, layout, cu_seqlens):
     hq, hk = q.shape[head_axis], k.shape[head_axis]
     if hk == 0 or hq % hk:
         raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of k/v heads ({hk})")
-    if softcap is not None and not (is_number(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
-    if scale is not None and not is_number(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    check_softcap(softcap)
+    check_scale(scale)
     if window is not None:
         sides = (window,) if isinstance(window, int) else tuple(window)
         if isinstance(window, int) and window < 1 or len(sides) not in (1, 2) \

@@ -68,6 +68,7 @@ from onepass.ops._launch import (
     cdiv,
     check_float,
     check_same_device,
+    check_softcap,
     flat,
     is_number,
     launch,
@@ -503,8 +504,7 @@ def check_loss_options(target, n_cols, ignore_index, reduction, label_smoothing,
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not (is_number(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
-    if softcap is not None and not (is_number(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+    check_softcap(softcap)
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 

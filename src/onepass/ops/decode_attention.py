@@ -41,8 +41,10 @@ from onepass.ops._launch import (
     cdiv,
     check_float,
     check_same_device,
+    check_scale,
+    check_softcap,
     interpreting,
-    is_number,
+    is_int,
     launch,
     next_power_of_2,
     num_programs_for,
@@ -230,12 +232,9 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_split
     if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32 \
             or cache_seqlens.shape != (batch,):
         raise ValueError(f"cache_seqlens must be an int32 tensor of shape ({batch},) (valid length per sequence)")
-    if scale is not None and not is_number(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    if softcap is not None and not (is_number(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= 1024):
+    check_scale(scale)
+    check_softcap(softcap)
+    if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= 1024):
         raise ValueError(f"num_splits must be an int from 1 to 1024, got {num_splits!r}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise ValueError("decode_attention is inference only (no autograd): call it under torch.no_grad() or on "

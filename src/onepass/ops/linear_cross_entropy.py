@@ -44,7 +44,16 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._gemm import accumulate_mm
-from onepass.ops._launch import as_rows, cdiv, check_float, check_linear, check_same_device, flat, use_triton
+from onepass.ops._launch import (
+    as_rows,
+    cdiv,
+    check_float,
+    check_linear,
+    check_same_device,
+    flat,
+    is_int,
+    use_triton,
+)
 from onepass.ops.cross_entropy import (
     ce_rows,
     check_loss_options,
@@ -219,7 +228,7 @@ def _check(hidden, weight, target, bias, accum_dtype, chunk_size):
     check_linear("hidden", hidden, "weight", weight, "bias", bias, out_name="vocab")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
 
