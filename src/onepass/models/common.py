@@ -642,7 +642,9 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
 
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
         if labels is None or not self.training or args:  # (positional arguments: labels may be among them)
-            return original(self, input_ids, *args, **kwargs, **({} if labels is None else {"labels": labels}))
+            if labels is not None:
+                kwargs["labels"] = labels
+            return original(self, input_ids, *args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         kwargs.pop("logits_to_keep", None)
