@@ -361,6 +361,35 @@ def test_labels_passed_positionally(device):
     _assert_close(model(*args).loss, ref(*args).loss, "loss")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_output_attentions_returns_the_weights(family, device):
+    """output_attentions=True gets the attention weights HF's eager attention returns (the
+    fused kernels never form them; they came back empty, without a word)."""
+    model, ref = _pair(family, device)
+    ref.set_attn_implementation("eager")
+    model.eval(), ref.eval()
+    ids = _batch().to(device)
+    with torch.no_grad():
+        out, expected = model(ids, output_attentions=True), ref(ids, output_attentions=True)
+    assert len(out.attentions) == len(expected.attentions) == ref.config.num_hidden_layers
+    for i, (a, b) in enumerate(zip(out.attentions, expected.attentions)):
+        _assert_close(a, b, f"layer {i} attention weights")
+    _assert_close(out.logits, expected.logits, "logits")
+
+
+def test_return_dict_false_keeps_hf_tuple_positions(device):
+    """A training forward with labels and return_dict=False: (loss, logits, ...) as HF's tuple,
+    the logits' place held by None (the fused loss never forms them), not the next output."""
+    model, ref = _pair("llama", device)
+    model.train(), ref.train()
+    ids = _batch().to(device)
+    out, expected = model(ids, labels=ids, return_dict=False), ref(ids, labels=ids, return_dict=False)
+    _assert_close(out[0], expected[0], "loss")
+    assert out[1] is None and expected[1].shape == (*ids.shape, tiny.VOCAB)
+    hidden = model(ids, labels=ids, return_dict=False, output_hidden_states=True)
+    assert hidden[1] is None and len(hidden[2]) == ref.config.num_hidden_layers + 1
+
+
 def test_torch_compile_fullgraph(device):
     model, ref = _pair("llama", device)
     model.eval(), ref.eval()

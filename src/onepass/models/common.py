@@ -537,15 +537,18 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     and value are the whole static cache, each row valid up to its length) runs
     ``decode_attention``. A padding mask, attention dropout or another decode step (fewer
     queries than keys) goes to PyTorch's SDPA, or to the eager path when softcap is set, with
-    the causal and sliding-window mask spelled out where HF handed none.
+    the causal and sliding-window mask spelled out where HF handed none. ``output_attentions``
+    takes the eager path too: the only one that returns the attention weights (HF's SDPA
+    returns none, with a warning; the fused kernels never form them).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if cache_seqlens is not None and sliding_window is None and dropout == 0.0:
+    fused = dropout == 0.0 and not kwargs.get("output_attentions", False)
+    if cache_seqlens is not None and sliding_window is None and fused:
         out = ops.decode_attention(query, key, value, cache_seqlens, scale=scaling, softcap=softcap)
         return out.transpose(1, 2), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is None and dropout == 0.0 and query.shape[2] == key.shape[2]:
+    if attention_mask is None and fused and query.shape[2] == key.shape[2]:
         # HF's [b, h, s, d] are transposed views of the projections' [b, s, h, d]: hand the
         # kernel that layout, and its [b, s, h, d] output is what HF expects back.
         out = ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
@@ -555,7 +558,7 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         # no mask from HF (it skipped one SDPA's is_causal covers) or from _onepass_mask (the
         # kernel masks itself): the fallbacks get the mask spelled out, the window included
         attention_mask, is_causal = _visible(query, key, causal and query.shape[2] > 1, sliding_window), False
-    if softcap is not None:
+    if softcap is not None or kwargs.get("output_attentions", False):
         return _eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 softcap=softcap)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -673,7 +676,8 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
             loss=loss, logits=None, past_key_values=None if unfilled else getattr(out, "past_key_values", None),
             hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None),
         )
-        return result.to_tuple() if return_dict is False else result
+        # as HF's tuple, (loss, logits, ...): the logits' place kept (None), the rest as to_tuple gives it
+        return (loss, None, *result.to_tuple()[1:]) if return_dict is False else result
 
     return forward
 
