@@ -9,10 +9,11 @@ ops/_launch.py cite these results.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import onepass.ops.activation as act
 import onepass.ops.norm as norm
@@ -32,7 +33,6 @@ def sweep_norm(copy):
     x = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
     res = torch.randn_like(x)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
     size = x.numel() * 2
     original = norm.row_settings
     for warps in (4, 8, 16):
@@ -43,15 +43,31 @@ def sweep_norm(copy):
         ):
             ms, gbps = bench(fn, passes * size)
             print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
-        _, _, _, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
-        for per_sm in (1, 2, 3, 4):
-            norm.BWD_PROGRAMS_PER_SM = per_sm
-            ms, gbps = bench(lambda: norm._norm_bwd_launch(dy, None, x, w, None, rstd, rstd, 0.0, 0, True, x.dtype,
-                                                           False, False),
-                             3 * size)
-            print(f"norm rms bwd warps={warps:<3} per_sm={per_sm} "
-                  f"{ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
     norm.row_settings = original
+    sweep_norm_bwd(copy)
+
+
+def sweep_norm_bwd(copy):
+    """The rms backward as a decoder layer runs it (with the stream's gradient: read dy, the
+    stream gradient and h, write d(residual)), by warps and programs per SM, timed by CUDA-graph
+    replay (host launch time excluded)."""
+    original_settings, original_per_sm = norm.row_settings, norm.bwd_programs_per_sm
+    for rows, n in ((8192, 2048), (8192, 4096), (16384, 4096)):
+        h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        dy, dh = torch.randn_like(h), torch.randn_like(h)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0, True, h.dtype)
+        block = original_settings(n)[0]
+        for warps, per_sm in itertools.product((2, 4, 8) if n <= 2048 else (4, 8), (2, 3, 4, 6, 8)):
+            norm.row_settings = lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_)
+            norm.bwd_programs_per_sm = lambda block, p_=per_sm: p_
+            step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, None, None, rstd, 0.0, 0, True, h.dtype,
+                                     True, False)
+            step()
+            us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
+            gbps = 4 * h.numel() * 2 / us / 1e3
+            print(f"norm rms bwd {rows}x{n} warps={warps} per_sm={per_sm} {us:7.1f} us {gbps / copy:6.1%}")
+    norm.row_settings, norm.bwd_programs_per_sm = original_settings, original_per_sm
 
 
 def sweep_activation(copy):

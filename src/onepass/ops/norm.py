@@ -64,10 +64,19 @@ from onepass.ops._launch import (
 )
 from onepass.ops._partials import sum_partials
 
-# Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
-# H200, bf16 16384 x 4096, rms backward (benchmarks/tune_rowwise.py): 2 a SM 0.120 ms,
-# 4 a SM 0.130 ms, 8 a SM 0.127 ms; without the hand pipelining 0.136 / 0.146 / 0.143 ms.
-BWD_PROGRAMS_PER_SM = 2
+
+def bwd_programs_per_sm(block: int) -> int:
+    """Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
+    Rows of at most 2048 values take twice as many, to keep as many bytes in flight.
+
+    H200, bf16 rms backward with the stream's gradient (4 tensor passes; CUDA-graph replay,
+    benchmarks/tune_rowwise.py norm): 8192 x 2048 (Llama-3.2-1B's training step) 2 a SM
+    48.1 us, 3 41.6, 4 40.5, 6 47.9; 8192 x 4096 2 a SM 71.8 us, 4 76.4; 16384 x 4096 2 a SM
+    138.3 us, 4 140.7 (without the hand pipelining of the rows, 2, 4 and 8 a SM: 0.136,
+    0.146 and 0.143 ms, against 0.120 / 0.130 / 0.127 with it, in an earlier sweep).
+    """
+    return 4 if block <= 2048 else 2
+
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -340,8 +349,8 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
-    programs = max(1, min(m, num_programs_for(h.device) * BWD_PROGRAMS_PER_SM))
     block, num_warps = row_settings(n)
+    programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(block)))
     one_block = n <= block
     alloc = torch.empty if one_block and m > 0 else torch.zeros  # empty input: zero gradients
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
