@@ -306,3 +306,38 @@ def test_norm_passing_input(kind, shape, device):
     _, passed = norm_passing_input(x, w, b, 1e-6, is_rms)
     (passed * 2).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def test_norm_passing_input_compiled_adds_the_gradient_in_the_kernel(device):
+    """Under torch.compile too the passed-on x's gradient reaches the norm's backward op
+    (dh_out) instead of a separate add in the compiled backward graph; values as eager."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from onepass.ops.norm import norm_passing_input
+
+    backward_graphs = []
+
+    def backend(gm, inputs):
+        def keep_backward(g, _):
+            backward_graphs.append(g)
+            return g.forward
+
+        return aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, bw_compiler=keep_backward)
+
+    def step(x, w):
+        y, passed = norm_passing_input(x, w, None, 1e-6, True)
+        return (y * 2).sum() + (passed * 3).sum()
+
+    x = torch.randn(4, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device, requires_grad=True)
+    torch.compile(step, fullgraph=True, backend=backend)(x, w).backward()
+    grads = [x.grad, w.grad]
+    x.grad = w.grad = None
+    step(x, w).backward()
+    assert_close(grads[0], x.grad, torch.float32, "dx")
+    assert_close(grads[1], w.grad, torch.float32, "dw")
+    (graph,) = backward_graphs
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    norm_bwd = [n for n in calls if n.target is torch.ops.onepass.norm_bwd.default]
+    assert len(norm_bwd) == 1 and norm_bwd[0].args[1] is not None  # dh_out: the passed-on gradient
+    assert not [n for n in calls if n.target is torch.ops.aten.add.Tensor]
