@@ -19,7 +19,9 @@ How:
   its graph replays with no host work but the launch. Sampling draws by the Gumbel-max
   trick (the argmax of p / E with E ~ Exp(1) is distributed as p), graph-safe.
 - The first ``WARMUP_STEPS`` steps of the first call run eagerly (Triton compiles, cuBLAS
-  picks its kernels), then the step is captured; later calls replay the same graph.
+  picks its kernels), then the step is captured; later calls replay the same graph, unless
+  the model's tensors moved since (``load_state_dict(..., assign=True)``, ``model.to(dtype)``):
+  then the call starts a new cache and captures the step again.
 - A row is finished once it has produced an end-of-sequence token; its later tokens are
   the pad token. The host reads the flags every ``CHECK_EVERY`` steps (one sync), so up to
   that many steps may run after the last row ends; the result is cut where it ended, as
@@ -132,6 +134,7 @@ class Decoder:
         self._eos = torch.tensor(eos, dtype=torch.long, device=device)
         self._pad = torch.tensor(self.pad_token_id, dtype=torch.long, device=device)
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # padded prompts or not -> the captured step
+        self._weights = self._weights_key()  # what the cache and the captured steps were made for
 
     @staticmethod
     def _why_no_graph(device: torch.device, cuda_graph: bool | None, sliding: bool) -> str | None:
@@ -225,6 +228,22 @@ class Decoder:
             self._graphs[padded] = graph
         graph.replay()
 
+    def _weights_key(self) -> tuple:
+        """The address and dtype of every parameter and buffer of the model: a captured step reads
+        them at the addresses it was captured with, and the cache holds the dtype it was filled in."""
+        return tuple((t.data_ptr(), t.dtype) for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def _follow_the_model(self) -> None:
+        """After the model's tensors moved (``load_state_dict(..., assign=True)``, ``model.to(dtype)``,
+        ...), capture the step again and start a new cache: a replay would read the old memory."""
+        key = self._weights_key()
+        if key != self._weights:
+            from transformers import StaticCache
+
+            self._graphs.clear()
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+            self._weights = key
+
     # ------------------------------------------------------------------------ the call
 
     def _check(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None) -> Tensor | None:
@@ -256,6 +275,7 @@ class Decoder:
         """The prompts ``input_ids`` [batch, length] followed by up to ``max_new_tokens`` new tokens
         each ([batch, length + new]). ``attention_mask`` marks left padding (1 = token, 0 = pad)."""
         mask = self._check(input_ids, max_new_tokens, attention_mask)
+        self._follow_the_model()
         padded = mask is not None
         length = input_ids.shape[1]
         self.cache.reset()

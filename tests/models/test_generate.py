@@ -38,6 +38,20 @@ def test_greedy_matches_hf(family):
     assert torch.equal(onepass.generate(model, ids, 12, pad_token_id=PAD), _hf(model, ids, 12))
 
 
+def test_decoder_follows_replaced_weights_and_dtype():
+    """A Decoder built before the model's tensors were replaced (load_state_dict with assign=True)
+    or cast (model.to(dtype)) decodes with the model as it is now, as HF's generate does."""
+    model = tiny.build("llama").eval()
+    decoder = Decoder(model, batch_size=2, max_len=32, pad_token_id=PAD)
+    ids = _prompts()
+    decoder.generate(ids, 6)
+    other = tiny.build("llama", seed=1).state_dict()
+    model.load_state_dict(other, assign=True)
+    assert torch.equal(decoder.generate(ids, 6), _hf(model, ids, 6))
+    model.to(torch.float64)
+    assert torch.equal(decoder.generate(ids, 6), _hf(model, ids, 6))
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_left_padded_prompts_match_hf(family):
     model = tiny.build(family).eval()
@@ -252,6 +266,10 @@ def test_graph_replay_matches_eager(family, optimized):
         want = eager.generate(ids, 100, attention_mask=attention_mask)
         assert torch.equal(graphed.generate(ids, 100, attention_mask=attention_mask), want)
     assert set(graphed._graphs) == {False, True}
+    # new weights at new addresses: the replayed step must read them, not the captured ones
+    model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()}, assign=True)
+    fresh = Decoder(model, batch_size=4, max_len=256, cuda_graph=False, eos_token_id=[]).generate(ids, 100)
+    assert torch.equal(graphed.generate(ids, 100), fresh)
     eos = [int(want[0, 64 + 10]), int(want[2, 64 + 40])]
     ended = [Decoder(model, batch_size=4, max_len=256, eos_token_id=eos, cuda_graph=g).generate(ids, 100)
              for g in (False, None)]
