@@ -44,12 +44,15 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif not torch.is_tensor(state["step"]):  # an older checkpoint's plain number, as torch loads it
+                    state["step"] = torch.tensor(float(state["step"]))
                 elif state["step"].device.type != "cpu":  # fused/capturable torch AdamW's: read once, not each step
                     state["step"] = state["step"].cpu()
-                state["step"] += 1
                 quads.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
             beta1, beta2 = group["betas"]
-            for step, columns in columns_by(lambda quad: int(self.state[quad[0]]["step"]), quads).items():
+            for step, columns in columns_by(lambda quad: int(self.state[quad[0]]["step"]) + 1, quads).items():
                 adamw_step(*columns, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=step)
+                for p in columns[0]:  # counted once its update ran (a refused step leaves the counts)
+                    self.state[p]["step"] += 1
         return loss

@@ -56,6 +56,49 @@ def test_unaligned_and_non_contiguous_tensors(device):
         _assert_equal_lists(got, want, torch.float32, "tensors")
 
 
+def test_tensor_off_its_element_grid():
+    """A CPU tensor whose address is not a multiple of its element size (a buffer read at an odd
+    offset), in one update with a tensor of its size and dtype: both updated as the reference
+    does, the odd one's neighbouring bytes untouched."""
+    buffers = [bytearray(4 * 20 + 2) for _ in range(4)]
+    odd = [torch.frombuffer(b, dtype=torch.float32, offset=2, count=20) for b in buffers]
+    even = [torch.empty(21)[1:] for _ in range(4)]  # 4- but not 16-byte aligned, as the odd ones
+    for quad in (even, odd):
+        for t, fill in zip(quad, (torch.randn(20), torch.randn(20), torch.randn(20), torch.rand(20))):
+            t.copy_(fill)
+    quads = [[e, o] for e, o in zip(even, odd)]
+    expected = [[t.clone() for t in ts] for ts in quads]
+    heads = [bytes(b[:2]) for b in buffers]
+    ops.adamw_step(*quads, **OPTIONS, step=2)
+    reference.adamw_step(*expected, *OPTIONS.values(), 2)
+    for got, want in zip(quads, expected):
+        _assert_equal_lists(got, want, torch.float32, "tensors")
+    assert [bytes(b[:2]) for b in buffers] == heads
+
+
+def test_refused_step_is_not_counted_and_plain_step_counts_load(device):
+    """A step that raises leaves the step counts (a later step's bias correction stays right); a
+    checkpoint whose step counts are plain numbers (older torch) loads and continues."""
+    p = torch.randn(5, device=device, requires_grad=True)
+    p.grad = torch.randn_like(p)
+    opt = AdamW([p], lr=0.01)
+    opt.step()
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    assert opt.state[p]["step"].item() == 1
+    opt.param_groups[0]["lr"] = 0.01
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["step"] = 1
+    twin = p.detach().clone().requires_grad_()
+    twin.grad = p.grad.clone()
+    twin_opt = AdamW([twin], lr=0.01)
+    twin_opt.load_state_dict(state)
+    opt.step(), twin_opt.step()
+    assert opt.state[p]["step"].item() == twin_opt.state[twin]["step"].item() == 2
+    assert torch.equal(p, twin)
+
+
 def _optimizers(params, device, **kwargs):
     ours = [p.detach().clone().requires_grad_() for p in params]
     theirs = [p.detach().clone().requires_grad_() for p in params]

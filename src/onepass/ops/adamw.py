@@ -86,9 +86,11 @@ def _adamw_launch(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, w
     for quad in zip(params, grads, exp_avgs, exp_avg_sqs):
         if quad[0].numel() == 0:
             continue
-        (quads if all(t.is_contiguous() for t in quad) else rest).append(quad)
+        # the launch addresses tensors by whole elements from the first one's address
+        whole = all(t.is_contiguous() and t.data_ptr() % t.element_size() == 0 for t in quad)
+        (quads if whole else rest).append(quad)
     _launch_groups(quads, scalars)
-    if rest:  # non-contiguous tensors: the plain update, tensor by tensor
+    if rest:  # the others: the plain update, tensor by tensor
         reference.adamw_step(*map(list, zip(*rest)), lr, beta1, beta2, eps, weight_decay, step)
 
 
