@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from onepass.models.common import DECODE_LENGTHS
+from onepass.ops._launch import is_int, is_number
 
 WARMUP_STEPS = 2  # eager steps before the first capture
 CHECK_EVERY = 16  # decode steps between reads of the finished flags (each read is a host sync)
@@ -94,16 +95,16 @@ class Decoder:
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "get_output_embeddings"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(max_len, int) or max_len < 2:
+        if not is_int(max_len) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2 (prompt and new tokens), got {max_len!r}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        if not (is_number(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if top_k is not None and (not is_int(top_k) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if not (is_number(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
         device = next(model.parameters()).device
         if cuda_graph and device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")

@@ -225,9 +225,11 @@ def test_bad_input_raises_clearly():
     with pytest.raises(ValueError, match="attention_mask"):
         decoder.generate(ids, 2, attention_mask=right[:, :3])
     for bad, match in (({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
-                       ({"top_k": 0}, "top_k"), ({"cuda_graph": True}, "cuda_graph")):
+                       ({"top_k": 0}, "top_k"), ({"cuda_graph": True}, "cuda_graph"),
+                       ({"temperature": None}, "temperature"), ({"top_p": None}, "top_p"),
+                       ({"temperature": float("nan")}, "temperature"), ({"batch_size": True}, "batch_size")):
         with pytest.raises(ValueError, match=match):
-            Decoder(model, batch_size=2, max_len=12, **bad)
+            Decoder(model, **{"batch_size": 2, "max_len": 12, **bad})
     with pytest.raises(TypeError, match="causal LM"):
         Decoder(torch.nn.Linear(2, 2), batch_size=1, max_len=4)
 

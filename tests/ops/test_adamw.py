@@ -172,6 +172,11 @@ def test_bad_input_raises(change, error, words, device):
         call()
 
 
+def test_optimizer_betas_must_be_a_pair():
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        AdamW([torch.zeros(2, requires_grad=True)], betas=(0.9, 0.99, 0.9))
+
+
 def test_optimizer_refuses_torch_options_it_does_not_implement(device):
     p = torch.zeros(3, device=device, requires_grad=True)
     opt = AdamW([p])
