@@ -197,6 +197,8 @@ def test_cu_seqlens_that_do_not_cover_the_rows_raise(offsets):
     (lambda q, k, v: ops.attention(q, k, v, softcap=float("inf")), ValueError, "softcap"),
     (lambda q, k, v: ops.attention(q, k, v, window=0), ValueError, "window"),
     (lambda q, k, v: ops.attention(q, k, v, window=(1, 2, 3)), ValueError, "window"),
+    (lambda q, k, v: ops.attention(q, k, v, window=2.5), ValueError, "window"),
+    (lambda q, k, v: ops.attention(q, k, v, window=True), ValueError, "window"),
     (lambda q, k, v: ops.attention(q[0], k[0], v[0], layout="bshd",
                                    cu_seqlens=torch.tensor([0, 4], device=q.device)), ValueError, "int32"),
     (lambda q, k, v: ops.attention(q, k, v, layout="bshd", cu_seqlens=torch.tensor([0, 4], dtype=torch.int32,

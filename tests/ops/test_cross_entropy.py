@@ -224,6 +224,14 @@ def test_inplace_grad_needs_a_row_view(device):
         ops.cross_entropy(logits.t(), _targets((7,), 90, device), inplace_grad=True)
 
 
+def test_inplace_grad_refuses_rows_sharing_memory(device):
+    """An expanded logits tensor views as [rows, V], but its rows are one row's memory: a row's
+    gradient written over it would change what the next rows read."""
+    row = torch.randn(1, 37, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="share memory"):
+        ops.cross_entropy((row * 1.0).expand(6, 37), _targets((6,), 37, device), inplace_grad=True)
+
+
 def test_no_gradient_written_without_autograd(device):
     logits = torch.randn(4, 64, device=device, requires_grad=True)
     before = logits.detach().clone()

@@ -234,6 +234,9 @@ def test_opcheck(device):
     (lambda x, w: ops.add_layer_norm(x, x, w, dropout_p=-0.1), ValueError, "dropout_p"),
     (lambda x, w: ops.rms_norm(x, w.to("meta")), ValueError, "device"),
     (lambda x, w: ops.rms_norm(x, "weight"), TypeError, "weight"),
+    (lambda x, w: ops.rms_norm(x, w, eps=-1.0), ValueError, "eps"),
+    (lambda x, w: ops.add_rms_norm(x, x, w, eps=float("nan")), ValueError, "eps"),
+    (lambda x, w: ops.layer_norm(x, w, out_dtype=torch.int32), TypeError, "out_dtype"),
 ])
 def test_bad_input_raises_before_any_kernel(call, error, words, device):
     x = torch.randn(4, 64, device=device)

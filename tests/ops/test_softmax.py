@@ -176,6 +176,9 @@ def test_opcheck(device):
     (lambda x: ops.softmax(x, dim=0, causal=True), ValueError, "causal"),
     (lambda x: ops.softmax(x[0, 0], causal=True), ValueError, "causal"),
     (lambda x: ops.softmax(torch.tensor(1.0, device=x.device)), ValueError, "x"),
+    (lambda x: ops.softmax(x, dim=1.0), TypeError, "dim"),
+    (lambda x: ops.softmax(x, scale="2"), ValueError, "scale"),
+    (lambda x: ops.softmax(x, scale=float("nan")), ValueError, "scale"),
 ])
 def test_bad_input_raises(call, error, words, device):
     x = torch.randn(2, 3, 8, device=device)

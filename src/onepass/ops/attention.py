@@ -72,6 +72,7 @@ from onepass.ops._launch import (
     check_softcap,
     eager_autograd,
     interpreting,
+    is_int,
     launch,
     next_power_of_2,
     num_programs_for,
@@ -741,9 +742,9 @@ def _check(q, k, v, scale, window, softcap, layout, cu_seqlens):
     check_softcap(softcap)
     check_scale(scale)
     if window is not None:
-        sides = (window,) if isinstance(window, int) else tuple(window)
-        if isinstance(window, int) and window < 1 or len(sides) not in (1, 2) \
-                or any(s is not None and (not isinstance(s, int) or s < -1) for s in sides):
+        sides = (window,) if is_int(window) else tuple(window) if isinstance(window, (tuple, list)) else ()
+        if is_int(window) and window < 1 or len(sides) not in (1, 2) \
+                or any(s is not None and (not is_int(s) or s < -1) for s in sides):
             raise ValueError(f"window must be an int >= 1 or a (left, right) pair of ints >= 0 (or None), "
                              f"got {window!r}")
 

@@ -554,9 +554,12 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
         if logits.stride(-1) != 1:
             raise ValueError("inplace_grad needs logits with unit stride in the last dim")
         try:
-            logits.view(-1, logits.shape[-1])
+            rows = logits.view(-1, logits.shape[-1])
         except RuntimeError as err:
             raise ValueError("inplace_grad needs logits viewable as [rows, V] without a copy") from err
+        if rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]:  # (an expanded tensor, ...)
+            raise ValueError("inplace_grad needs logits whose rows do not share memory (a row's gradient "
+                             "would overwrite logits another row still reads); pass inplace_grad=False")
         loss, lse, pred = _InplaceGradCrossEntropy.apply(logits, target, *args, return_pred, all_rows)
     else:
         loss, lse, pred, _ = _cross_entropy_fwd(logits, target, *args, need_grad, return_pred, all_rows)

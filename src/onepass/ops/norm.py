@@ -47,6 +47,7 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._launch import (
+    FLOAT_DTYPES,
     as_rows,
     cdiv,
     check_float,
@@ -55,6 +56,7 @@ from onepass.ops._launch import (
     check_same_shape,
     check_vector,
     eager_autograd,
+    is_number,
     launch,
     num_programs_for,
     registered_outputs,
@@ -453,8 +455,12 @@ _norm_fwd_eager = eager_autograd(_norm_fwd_launch, _setup_context, _backward, re
 # ---------------------------------------------------------------- public functions
 
 
-def _check(x, residual, weight, bias, dropout_p):
+def _check(x, residual, weight, bias, dropout_p, eps, out_dtype=None):
     check_float("x", x)
+    if not (is_number(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be None, torch.float32, float16 or bfloat16, got {out_dtype}")
     if residual is not None:
         check_float("residual", residual)
         check_same_shape("residual", residual, "x", x)
@@ -472,7 +478,7 @@ def _seed(seed: int | None) -> int:
 
 
 def _norm(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
-    _check(x, residual, weight, bias, dropout_p)
+    _check(x, residual, weight, bias, dropout_p, eps, out_dtype)
     out_dtype = out_dtype or x.dtype
     if not use_triton(x):
         if residual is None:
@@ -561,5 +567,5 @@ def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
         raise ValueError("RMSNorm takes no bias")
     if not use_triton(x) or type(x) is not Tensor or not torch.is_grad_enabled() or not x.requires_grad:
         return _norm(x, None, weight, bias, eps, 0.0, None, is_rms, None)[0], x
-    _check(x, None, weight, bias, 0.0)
+    _check(x, None, weight, bias, 0.0, eps)
     return _NormPassingInput.apply(x, weight, bias, float(eps), is_rms)

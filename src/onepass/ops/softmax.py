@@ -36,7 +36,16 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import cdiv, check_float, check_same_device, launch, row_settings, use_triton
+from onepass.ops._launch import (
+    cdiv,
+    check_float,
+    check_same_device,
+    is_int,
+    is_number,
+    launch,
+    row_settings,
+    use_triton,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(z) = exp2(z * log2(e))
 
@@ -290,10 +299,14 @@ _softmax_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public function
 
 
-def _check(x, dim, mask, causal):
+def _check(x, dim, scale, mask, causal):
     check_float("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension")
+    if not is_int(dim):
+        raise TypeError(f"dim must be an int, got {dim!r}")
+    if not is_number(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim}")
     if causal and (x.dim() < 2 or dim % x.dim() != x.dim() - 1):
@@ -331,7 +344,7 @@ def softmax(x: Tensor, dim: int = -1, scale: float = 1.0, mask: Tensor | None = 
     ``torch.softmax`` gives. A ``dim`` other than the last is moved last: x is copied once
     into that layout and the result comes back as a view of x's shape.
     """
-    _check(x, dim, mask, causal)
+    _check(x, dim, scale, mask, causal)
     if not use_triton(x):
         return reference.softmax(x, dim, scale, mask, causal)
     last = x.dim() - 1
