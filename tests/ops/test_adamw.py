@@ -172,6 +172,15 @@ def test_bad_input_raises(change, error, words, device):
         call()
 
 
+def test_optimizer_matches_torch_adamw_in_float64(device):
+    """float64 parameters take the plain update in float64, as torch's AdamW computes them."""
+    ours, opt, theirs, torch_opt = _optimizers([torch.randn(s, device=device, dtype=torch.float64)
+                                                for s in SHAPES], device)
+    _steps([(ours, opt), (theirs, torch_opt)], 3)
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        assert p.dtype == torch.float64 and torch.allclose(p, q, rtol=1e-12, atol=1e-12), f"params[{i}]"
+
+
 def test_optimizer_betas_must_be_a_pair():
     with pytest.raises(ValueError, match="betas must be a pair"):
         AdamW([torch.zeros(2, requires_grad=True)], betas=(0.9, 0.99, 0.9))

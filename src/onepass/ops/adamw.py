@@ -141,8 +141,8 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_d
             if t.layout != torch.strided:
                 raise TypeError(f"{name}[{i}] must be a dense tensor (sparse gradients are not supported), "
                                 f"got {t.layout}")
-            if t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"{name}[{i}] must be float32, float16 or bfloat16, got {t.dtype}")
+            if t.dtype not in (*FLOAT_DTYPES, torch.float64):
+                raise TypeError(f"{name}[{i}] must be float32, float16, bfloat16 or float64, got {t.dtype}")
             if (t.shape, t.dtype, t.device) != (quad[0].shape, quad[0].dtype, quad[0].device):
                 raise ValueError(f"{name}[{i}] must match params[{i}] ({tuple(quad[0].shape)} {quad[0].dtype} on "
                                  f"{quad[0].device}), got {tuple(t.shape)} {t.dtype} on {t.device}")
@@ -159,15 +159,18 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     ``torch.optim.AdamW`` computes it; ``step`` counts this step (1 for the first).
 
     Each i-th params, grads, exp_avgs, exp_avg_sqs share a shape, dtype and device; the
-    math runs in fp32 and each result is rounded once to its tensor's dtype.
+    math runs in fp32 and each result is rounded once to its tensor's dtype (float64 tensors
+    take the plain PyTorch update, in float64).
     """
     if int(step) != step:
         raise ValueError(f"step must be a whole number (the count including this step), got {step}")
     lr, beta1, beta2, eps, weight_decay, step = (float(lr), float(beta1), float(beta2), float(eps),
                                                  float(weight_decay), int(step))
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step)
-    for columns in columns_by(lambda quad: quad[0].device, zip(params, grads, exp_avgs, exp_avg_sqs)).values():
-        if use_triton(columns[0][0]):
+    by_place = columns_by(lambda quad: (quad[0].device, quad[0].dtype == torch.float64),
+                          zip(params, grads, exp_avgs, exp_avg_sqs))
+    for (_, wide), columns in by_place.items():
+        if use_triton(columns[0][0]) and not wide:
             _adamw_step(*columns, lr, beta1, beta2, eps, weight_decay, step)
         else:
             reference.adamw_step(*columns, lr, beta1, beta2, eps, weight_decay, step)
