@@ -86,9 +86,10 @@ def _adamw_launch(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, w
     for quad in zip(params, grads, exp_avgs, exp_avg_sqs):
         if quad[0].numel() == 0:
             continue
-        # the launch addresses tensors by whole elements from the first one's address
-        whole = all(t.is_contiguous() and t.data_ptr() % t.element_size() == 0 for t in quad)
-        (quads if whole else rest).append(quad)
+        # the kernel takes contiguous 16/32-bit tensors, addressed by whole elements from the first one's address
+        launchable = quad[0].dtype != torch.float64 and all(
+            t.is_contiguous() and t.data_ptr() % t.element_size() == 0 for t in quad)
+        (quads if launchable else rest).append(quad)
     _launch_groups(quads, scalars)
     if rest:  # the others: the plain update, tensor by tensor
         reference.adamw_step(*map(list, zip(*rest)), lr, beta1, beta2, eps, weight_decay, step)
@@ -167,10 +168,8 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     lr, beta1, beta2, eps, weight_decay, step = (float(lr), float(beta1), float(beta2), float(eps),
                                                  float(weight_decay), int(step))
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step)
-    by_place = columns_by(lambda quad: (quad[0].device, quad[0].dtype == torch.float64),
-                          zip(params, grads, exp_avgs, exp_avg_sqs))
-    for (_, wide), columns in by_place.items():
-        if use_triton(columns[0][0]) and not wide:
+    for columns in columns_by(lambda quad: quad[0].device, zip(params, grads, exp_avgs, exp_avg_sqs)).values():
+        if use_triton(columns[0][0]):
             _adamw_step(*columns, lr, beta1, beta2, eps, weight_decay, step)
         else:
             reference.adamw_step(*columns, lr, beta1, beta2, eps, weight_decay, step)
