@@ -543,7 +543,8 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    fused = dropout == 0.0 and not kwargs.get("output_attentions", False)
+    weights = kwargs.get("output_attentions", False)
+    fused = dropout == 0.0 and not weights
     if cache_seqlens is not None and sliding_window is None and fused:
         out = ops.decode_attention(query, key, value, cache_seqlens, scale=scaling, softcap=softcap)
         return out.transpose(1, 2), None
@@ -558,7 +559,7 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         # no mask from HF (it skipped one SDPA's is_causal covers) or from _onepass_mask (the
         # kernel masks itself): the fallbacks get the mask spelled out, the window included
         attention_mask, is_causal = _visible(query, key, causal and query.shape[2] > 1, sliding_window), False
-    if softcap is not None or kwargs.get("output_attentions", False):
+    if softcap is not None or weights:
         return _eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 softcap=softcap)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
