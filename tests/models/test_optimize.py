@@ -352,6 +352,38 @@ def test_deepcopy_runs_its_own_weights_and_undoes_itself(device):
         _assert_close(model(ids).logits, ref.eval()(ids).logits, "the original's logits")
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_whole_model_pickles_optimized(family, device, tmp_path):
+    """torch.save(model) of an optimized model loads as an optimized model computing the same
+    logits (its patched forwards were bound local functions, which pickle could not find)."""
+    model, _ = _pair(family, device)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert onepass.optimize_report(loaded) == onepass.optimize_report(model)
+    assert all(type(a.__dict__.get("forward")) is type(b.__dict__.get("forward"))
+               for a, b in zip(loaded.modules(), model.modules()))
+    ids = _batch().to(device)
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    onepass.undo(loaded)
+    assert not any("forward" in m.__dict__ for m in loaded.modules())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_patched_forwards_show_hf_signatures(family, device):
+    """HF reads the forward's signature: Trainer drops the dataset columns it does not name
+    (attention_mask was dropped), generate passes logits_to_keep only when it is named."""
+    import inspect
+
+    model, ref = _pair(family, device)
+    patched = [(mine, theirs) for mine, theirs in zip(model.modules(), ref.modules()) if "forward" in mine.__dict__]
+    assert len(patched) > 3  # the model, its layers, their attention and MLP blocks
+    for mine, theirs in patched:
+        assert inspect.signature(mine.forward) == inspect.signature(theirs.forward), type(theirs).__name__
+    assert model._supports_logits_to_keep()
+
+
 def test_labels_passed_positionally(device):
     """As HF's forward takes them: (input_ids, attention_mask, position_ids, past_key_values,
     inputs_embeds, labels)."""

@@ -16,8 +16,8 @@ projections and the MLP's gated product.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
-import types
 from typing import Any, Callable
 
 import torch
@@ -48,9 +48,9 @@ class Patches:
         self._log.append((obj, name, name in own, own.get(name)))
         setattr(obj, name, value)
 
-    def set_forward(self, module: nn.Module, forward: Callable) -> None:
-        """Give this instance its own ``forward`` (an unbound function taking the module first)."""
-        self.set(module, "forward", types.MethodType(forward, module))
+    def set_forward(self, module: nn.Module, make: Callable[..., Callable], *args: Any) -> None:
+        """Give this instance its own ``forward``: ``make(*args)``, a function taking the module first."""
+        self.set(module, "forward", InstanceForward(module, make, *args))
 
     def on_undo(self, obj: Any, method: str, *args: Any) -> None:
         """Call ``obj.method(*args)`` on undo. Kept as data, not a closure, so that a deepcopy of
@@ -72,6 +72,35 @@ class Patches:
                 delattr(obj, name)
         self._log.clear()
         self._undo_calls.clear()
+
+
+class InstanceForward:
+    """A module instance's own forward, ``make(*args)`` bound to the module as a method is.
+
+    Where a bound method of a local function would not: it pickles, as the module and the
+    call ``make(*args)`` that rebuilds the function (``torch.save(model)`` of an optimized
+    model loads optimized; a deepcopy gets its own), and it shows the signature of the
+    forward it replaces, which Hugging Face reads (Trainer keeps only the dataset columns
+    the model's forward names; generate passes ``attention_mask`` and ``logits_to_keep``
+    only to a forward that names them). Attributes of the function (``takes_residual``)
+    read through.
+    """
+
+    def __init__(self, module: nn.Module, make: Callable[..., Callable], *args: Any) -> None:
+        self.__signature__ = inspect.signature(module.forward)  # the replaced forward's (self bound)
+        self.__self__, self.__func__ = module, make(*args)
+        self._make = (make, args)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "__func__" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__func__, name)
+
+    def __reduce__(self):
+        return InstanceForward, (self.__self__, self._make[0], *self._make[1])
 
 
 # ------------------------------------------------------------------------------ norms
@@ -128,14 +157,13 @@ def swap_decoder_rms_norms(patches: Patches, model: nn.Module, layer_fused: Call
     attention has them) become onepass RMSNorms, each layer runs ``layer_fused``, and the
     final norm is swapped too."""
     base = model.base_model
-    forward = layer_forward(layer_fused, recompute)
     for layer in base.layers:
         for name in layer_norms:
             swap_rms_norm(patches, layer, name, offset)
         if hasattr(layer.self_attn, "q_norm"):
             swap_rms_norm(patches, layer.self_attn, "q_norm", offset)
             swap_rms_norm(patches, layer.self_attn, "k_norm", offset)
-        patches.set_forward(layer, forward)
+        patches.set_forward(layer, layer_forward, layer_fused, recompute)
     swap_rms_norm(patches, base, "norm", offset)
 
 
@@ -414,9 +442,8 @@ def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -
     act = GATED.get(act_name)
     if act is None:
         return f"{UNFUSED}: activation {act_name!r} has no fused onepass op (known: {sorted(GATED)})"
-    forward = gated_mlp_forward(act, recompute)
     for layer in layers:
-        patches.set_forward(layer.mlp, forward)
+        patches.set_forward(layer.mlp, gated_mlp_forward, act, recompute)
     op = "swiglu" if act == activation.SILU else "geglu"
     return (f"{FUSED}: {op} ({act_name}); plain linear projections as one node (no gate/up gradient sum, "
             "product rebuilt in backward)")
@@ -508,9 +535,9 @@ def patch_rotary_attention(patches: Patches, layers, passes_softcap: bool = Fals
     rope = getattr(ops, "rope", None)
     if rope is None:
         return f"{UNFUSED}: onepass.ops.rope is not in this build"
-    forward = rotary_attention_forward(functools.partial(rope, layout="bshd"), passes_softcap)
     for layer in layers:
-        patches.set_forward(layer.self_attn, forward)
+        patches.set_forward(layer.self_attn, rotary_attention_forward, functools.partial(rope, layout="bshd"),
+                            passes_softcap)
     return f"{FUSED}: rope on q and k in one pass, [batch, seq, heads, dim] layout"
 
 
@@ -701,7 +728,7 @@ def patch_lm_loss(patches: Patches, model: nn.Module, softcap: float | None = No
         return f"{UNFUSED}: lm_head is a {type(head).__name__}, not a plain nn.Linear"
     if getattr(ops, "linear_cross_entropy", None) is None:
         return f"{UNFUSED}: onepass.ops.linear_cross_entropy is not in this build"
-    patches.set_forward(model, causal_lm_forward(_unbound_forward(model), softcap))
+    patches.set_forward(model, causal_lm_forward, _unbound_forward(model), softcap)
     status = f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"
     embed = model.get_input_embeddings()
     if embed is not None and getattr(embed, "weight", None) is head.weight:

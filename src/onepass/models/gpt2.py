@@ -59,11 +59,10 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
         if config.add_cross_attention:
             status["norm"] = f"{common.UNFUSED}: blocks with cross-attention keep HF's forward"
         else:
-            forward = common.layer_forward(_block, recompute)
             for block in blocks:
                 common.swap_layer_norm(patches, block, "ln_1")
                 common.swap_layer_norm(patches, block, "ln_2")
-                patches.set_forward(block, forward)
+                patches.set_forward(block, common.layer_forward, _block, recompute)
             common.swap_layer_norm(patches, base, "ln_f")
             status["norm"] = f"{common.FUSED}: layer_norm; residual add + ln_2 in add_layer_norm"
             recomputed.append(("the outputs of ln_1 and ln_2", 2 * config.n_embd, "2 layer_norm"))
@@ -74,9 +73,8 @@ def patch(model: nn.Module, patches: common.Patches, switches: dict[str, bool]) 
         elif any(type(block.mlp.c_fc) is not Conv1D for block in blocks):
             status["activation"] = f"{common.UNFUSED}: c_fc is wrapped (e.g. a LoRA adapter); its bias stays in it"
         else:
-            forward = _mlp_forward(approximate, recompute)
             for block in blocks:
-                patches.set_forward(block.mlp, forward)
+                patches.set_forward(block.mlp, _mlp_forward, approximate, recompute)
             status["activation"] = f"{common.FUSED}: bias_gelu ({config.activation_function})"
             recomputed.append(("the GELU output", config.n_inner or 4 * config.n_embd, "1 bias_gelu"))
     if switches["rope"]:

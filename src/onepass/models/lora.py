@@ -18,6 +18,7 @@ their dropouts as in PEFT). Not under torch.compile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -106,6 +107,11 @@ def _forward(self, x: Tensor, *args, **kwargs) -> Tensor:
                            training=c.training)
 
 
+def _make_forward() -> Callable:
+    """The fused forward as ``Patches.set_forward`` takes it (a factory; this one has no settings)."""
+    return _forward
+
+
 class _SharedInputAdapters(torch.autograd.Function):
     """lora_linear(x, ...) for several LoRA linears reading one x (q/k/v, gate/up) as one
     node, from x, the scalings and (weight, bias, lora_a, lora_b, x_a) per layer (x_a: the
@@ -176,7 +182,7 @@ def patch_lora(patches: common.Patches, model: nn.Module) -> str:
     for layer in layers:
         reason = _unsuited(layer)
         if reason is None:
-            patches.set_forward(layer, _forward)
+            patches.set_forward(layer, _make_forward)
         else:
             reasons[reason] = reasons.get(reason, 0) + 1
     fused = len(layers) - sum(reasons.values())
