@@ -124,6 +124,20 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     assert len(ropes) == 2 + 2 * 6  # padded prompts: every step's rope apart
 
 
+def test_hf_generate_of_an_optimized_model_infers_the_padding_mask(device):
+    """HF's generate builds the attention mask from pad_token_id only for a forward whose
+    signature names attention_mask: the optimized model's did not, so its padded prompts were
+    attended as tokens."""
+    ref = tiny.build("llama").to(device).eval()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    ids = _prompts(device=device)
+    ids[0, :3] = PAD
+    assert torch.equal(_hf(model, ids, 4), _hf(ref, ids, 4))
+
+
 @pytest.mark.parametrize("family", ["gemma2", "mistral"])
 def test_optimized_model_with_a_cache_far_longer_than_the_prompt(family, device):
     """Soft-capped (Gemma 2) and sliding-window (Mistral) models whose prefill falls back from
