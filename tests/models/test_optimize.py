@@ -384,6 +384,26 @@ def test_patched_forwards_show_hf_signatures(family, device):
     assert model._supports_logits_to_keep()
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_packed_sequences_stay_apart_in_training(family, device):
+    """A padding-free batch (two documents in one row, position ids restarting, no attention mask,
+    as DataCollatorWithFlattening makes it) with the cache off: HF masks attention between the
+    documents, and so does the optimized model (its stand-in cache switched HF's check off)."""
+    model, ref = _pair(family, device)
+    ids = _batch(batch=1, seq=12).to(device)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
+    labels = ids.clone()
+    labels[0, 5] = -100  # each document's first token is no target of the one before
+    for m in (model, ref):
+        m.train()
+        m.zero_grad(set_to_none=True)
+        m(ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
+    _assert_close(model(ids, position_ids=positions, labels=labels, use_cache=False).loss,
+                  ref(ids, position_ids=positions, labels=labels, use_cache=False).loss, "loss")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_close(p.grad, q.grad, f"d {name}")
+
+
 def test_labels_passed_positionally(device):
     """As HF's forward takes them: (input_ids, attention_mask, position_ids, past_key_values,
     inputs_embeds, labels)."""

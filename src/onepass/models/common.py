@@ -667,8 +667,11 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     the base model gets an (unfilled) cache: without one, HF checks the position ids for
     packed sequences, a host sync every forward (so the host cannot queue the step ahead of
     the GPU), and under torch.compile that check builds a full mask instead (the compiled
-    step took 140.9 ms against 124.0, H200). Under gradient checkpointing, whose layers drop
-    any cache with a warning, the base model runs with ``use_cache=False``."""
+    step took 140.9 ms against 124.0, H200). Where HF would make that check (the cache off,
+    by argument or config, position ids given and no attention mask: the padding-free
+    batches of ``DataCollatorWithFlattening``, whose documents must not attend to each
+    other) the base model gets no cache, as from HF. Under gradient checkpointing, whose
+    layers drop any cache with a warning, the base model runs with ``use_cache=False``."""
     unfilled_cache = _unfilled_cache_type()
 
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
@@ -684,7 +687,10 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", -100)
         unfilled = not kwargs.get("use_cache") and kwargs.get("past_key_values") is None
-        if unfilled and getattr(self.base_model, "gradient_checkpointing", False):
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache  # HF's default
+        maybe_packed = not use_cache and kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None
+        if unfilled and (maybe_packed or getattr(self.base_model, "gradient_checkpointing", False)):
             kwargs["use_cache"] = False
         elif unfilled:
             kwargs["past_key_values"] = unfilled_cache(config=self.config)
