@@ -404,6 +404,27 @@ def test_packed_sequences_stay_apart_in_training(family, device):
         _assert_close(p.grad, q.grad, f"d {name}")
 
 
+def test_signature_survives_a_wrapper_of_the_forward(device):
+    """accelerate's mixed precision (Trainer(bf16=True), Accelerator.prepare) replaces forward by
+    a functools.wraps wrapper of ``model.forward.__func__`` bound to the model; its signature
+    (which generate and a later Trainer read) must still be HF's."""
+    import functools
+    import inspect
+    import types
+
+    model, ref = _pair("llama", device)
+    inner = model.forward.__func__
+
+    @functools.wraps(inner)
+    def mixed_precision_forward(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    model.forward = types.MethodType(mixed_precision_forward, model)
+    assert inspect.signature(model.forward) == inspect.signature(ref.forward)
+    ids = _batch().to(device)
+    _assert_close(model(ids, labels=ids).loss, ref(ids, labels=ids).loss, "loss")
+
+
 def test_labels_passed_positionally(device):
     """As HF's forward takes them: (input_ids, attention_mask, position_ids, past_key_values,
     inputs_embeds, labels)."""

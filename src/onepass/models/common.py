@@ -82,14 +82,19 @@ class InstanceForward:
     model loads optimized; a deepcopy gets its own), and it shows the signature of the
     forward it replaces, which Hugging Face reads (Trainer keeps only the dataset columns
     the model's forward names; generate passes ``attention_mask`` and ``logits_to_keep``
-    only to a forward that names them). Attributes of the function (``takes_residual``)
-    read through.
+    only to a forward that names them), as does the function itself. Attributes of the
+    function (``takes_residual``) read through.
     """
 
     def __init__(self, module: nn.Module, make: Callable[..., Callable], *args: Any) -> None:
         self.__signature__ = inspect.signature(module.forward)  # the replaced forward's (self bound)
         self.__self__, self.__func__ = module, make(*args)
         self._make = (make, args)
+        # and the function's, self first: a wrapper of it bound to the module (accelerate's
+        # mixed-precision forward, which Trainer leaves in place) shows the same signature
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        self.__func__.__signature__ = self.__signature__.replace(
+            parameters=[self_param, *self.__signature__.parameters.values()])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__func__(self.__self__, *args, **kwargs)
