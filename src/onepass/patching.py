@@ -76,6 +76,12 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     hf = _hf_model(model)
     if hasattr(hf, _STATE):
         raise RuntimeError("this model is already optimized by onepass; call onepass.undo(model) first")
+    dispatched = [name for name, m in hf.named_modules() if hasattr(m, "_hf_hook")]
+    if dispatched:
+        # accelerate moves weights and inputs in forwards it installs on modules, which the patches replace
+        raise ValueError(f"onepass.optimize does not support a model dispatched by accelerate (a device_map that "
+                         f"offloads or splits it across devices: hooks on {dispatched[0] or 'the model'} and "
+                         f"{len(dispatched) - 1} more modules); load it on one device")
     model_type = getattr(hf.config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import onepass
-from onepass.testing import TOLERANCE, rel_error
+from onepass.testing import TOLERANCE, assert_close, rel_error
 
 import tiny_models as tiny
 
@@ -230,6 +230,24 @@ def test_switches_and_report(device):
         assert status.startswith(("fused", "unfused", "n/a", "off", "on")), status
 
 
+def test_model_dispatched_by_accelerate_is_refused(tmp_path):
+    """A device_map that offloads (or splits across GPUs) leaves accelerate's hooks moving weights
+    and inputs in the modules' forwards, which optimize replaces: refused with a clear error (the
+    patched model read meta weights deep in a kernel's checks)."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    tiny.build("llama").save_pretrained(tmp_path / "model")
+    layers = {f"model.layers.{i}": "cpu" if i == 0 else "disk" for i in range(2)}
+    device_map = {"model.embed_tokens": "cpu", **layers, "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                 offload_folder=str(tmp_path / "offload"))
+    with pytest.raises(ValueError, match="dispatched by accelerate"):
+        onepass.optimize(model)
+    assert not hasattr(model, "_onepass_state")
+
+
 def test_partly_fused_warns_what_stays_unfused(device, monkeypatch):
     monkeypatch.delattr(onepass.ops, "rope")
     model = tiny.build("llama").to(device)
@@ -370,6 +388,28 @@ def test_whole_model_pickles_optimized(family, device, tmp_path):
     assert not any("forward" in m.__dict__ for m in loaded.modules())
 
 
+def test_whole_model_loads_in_a_fresh_process(device, tmp_path):
+    """The loading process never ran optimize: the "onepass" attention it names must be set up
+    by the load itself (it raised KeyError: not a registered attention implementation)."""
+    import subprocess
+    import sys
+
+    model, _ = _pair("llama", device)
+    model.eval()
+    ids = _batch().to(device)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"model": model, "ids": ids, "expected": expected}, tmp_path / "saved.pt")
+    code = ("import sys, torch\n"
+            "saved = torch.load(sys.argv[1], weights_only=False)\n"
+            "with torch.no_grad():\n"
+            "    out = saved['model'](saved['ids']).logits\n"
+            "assert torch.allclose(out, saved['expected'], rtol=1e-4, atol=1e-4), (out - saved['expected']).abs().max()\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "saved.pt")], capture_output=True, text=True,
+                         check=False, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_patched_forwards_show_hf_signatures(family, device):
     """HF reads the forward's signature: Trainer drops the dataset columns it does not name
@@ -423,6 +463,21 @@ def test_signature_survives_a_wrapper_of_the_forward(device):
     assert inspect.signature(model.forward) == inspect.signature(ref.forward)
     ids = _batch().to(device)
     _assert_close(model(ids, labels=ids).loss, ref(ids, labels=ids).loss, "loss")
+
+
+def test_training_loss_is_float32_as_hf(device):
+    """HF's causal-LM loss upcasts the logits: a float32 loss under 16-bit autocast, where the
+    fused loss came back rounded to bfloat16 (and a summed one, Trainer's num_items_in_batch,
+    overflowed in float16). Reference mode: the interpreter's 16-bit dots are not exact."""
+    model, ref = _pair("llama", device)
+    ids = _batch().to(device)
+    with onepass.reference_mode(), torch.autocast(device, dtype=torch.bfloat16):
+        loss, expected = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
+        items = torch.tensor(ids.numel())
+        summed, expected_summed = (m(ids, labels=ids, num_items_in_batch=items).loss for m in (model, ref))
+    assert loss.dtype == expected.dtype == summed.dtype == torch.float32
+    assert_close(loss, expected, torch.bfloat16)
+    assert_close(summed, expected_summed, torch.bfloat16)
 
 
 def test_labels_passed_positionally(device):
@@ -593,6 +648,33 @@ def test_peft_lora_layers_run_fused(family, targets, dropout, calls_a_layer, dev
     for name, g in grads.items():
         if g is not None:
             _assert_close(g, ref_grads[name], f"d {name}")
+
+
+def test_head_wrapped_or_hooked_after_optimize_is_honoured(device):
+    """A LoRA adapter put on lm_head after optimize trains (the fused loss read the head's weight
+    through PEFT's wrapper: the adapter was ignored, no gradient); a forward hook on the head is
+    called with the logits."""
+    peft = pytest.importorskip("peft")
+    base, ref = _pair("llama", device)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(ref, cfg)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(base, cfg)
+    ids = _batch().to(device)
+    loss, grads = _loss_and_grads(model, ids)
+    ref_loss, ref_grads = _loss_and_grads(ref, ids)
+    _assert_close(loss, ref_loss, "loss")
+    head_lora = [n for n in grads if "lm_head.lora" in n]
+    assert head_lora and all(grads[n] is not None for n in head_lora)
+    for name in head_lora:
+        _assert_close(grads[name], ref_grads[name], f"d {name}")
+    plain, _ = _pair("llama", device)
+    seen = []
+    plain.lm_head.register_forward_hook(lambda module, inputs, out: seen.append(out.shape))
+    plain.train()
+    plain(ids, labels=ids)
+    assert seen == [(*ids.shape, tiny.VOCAB)]
 
 
 def test_peft_lora_falls_back_where_unfused(device):

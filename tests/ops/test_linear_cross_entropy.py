@@ -147,6 +147,22 @@ def test_torch_compile_fullgraph(device):
         assert_close(g, x.grad, torch.float32)
 
 
+def test_loss_dtype(device):
+    """loss_dtype=float32: the loss of float32 logits (HF's causal-LM loss) from 16-bit inputs; a
+    summed loss past float16's range stays finite. The gradients do not change."""
+    h, w, _, t = _inputs(64, 16, 70, torch.float16, device)
+    h = (h * 1000).requires_grad_(True)  # large logits: a summed loss past float16's 65504
+    loss = ops.linear_cross_entropy(h, w, t, reduction="sum", loss_dtype=torch.float32)
+    assert loss.dtype == torch.float32
+    expected = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), t, reduction="sum")
+    assert expected > 65504 and torch.isfinite(loss)
+    assert_close(loss, expected, torch.float16)
+    loss.backward()
+    grad, h.grad = h.grad, None
+    ops.linear_cross_entropy(h, w, t).backward()  # mean, in float16: the same gradient up to the scale
+    assert_close(grad / (t != -100).sum(), h.grad, torch.float16)
+
+
 def test_opcheck(device):
     from onepass.ops.linear_cross_entropy import _lce_bwd, _lce_fwd
 
@@ -154,7 +170,7 @@ def test_opcheck(device):
     leaves = [x.requires_grad_(True) for x in (h, w, b)]
     for reduction in ("sum", "none"):
         torch.library.opcheck(_lce_fwd, (*leaves[:2], t, leaves[2], -100, reduction, 0.1, 1e-3, 2.0, True, True,
-                                         True, True, True, 4, torch.float32))
+                                         True, True, True, 4, torch.float32, torch.float32))
     torch.library.opcheck(_lce_bwd, (torch.randn(6, device=device), h.detach(), w.detach(), t, None, -100, 0.0, 0.0,
                                      None, True, True, False, 4, torch.float32))
 
@@ -168,6 +184,7 @@ def test_opcheck(device):
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, torch.randn(3, device=h.device)), ValueError, "bias"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t[:2]), ValueError, "target"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, accum_dtype=torch.float16), TypeError, "accum_dtype"),
+    (lambda h, w, t: ops.linear_cross_entropy(h, w, t, loss_dtype=torch.int32), TypeError, "loss_dtype"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, chunk_size=0), ValueError, "chunk_size"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, chunk_size=2.5), ValueError, "chunk_size"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, reduction="avg"), ValueError, "reduction"),

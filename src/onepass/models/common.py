@@ -41,6 +41,20 @@ class Patches:
     def __init__(self) -> None:
         self._log: list[tuple[Any, str, bool, Any]] = []
         self._undo_calls: list[tuple[Any, str, tuple]] = []
+        self._load_calls: list[Callable[[], None]] = []
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled with its model (``torch.load`` of an optimized model, perhaps in another
+        process): the ``on_load`` calls run again."""
+        self.__dict__.update(state)
+        for fn in self._load_calls:
+            fn()
+
+    def on_load(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` now, and again whenever this log is unpickled: process-wide set-up the
+        patched model needs (a module-level function, so that it pickles)."""
+        fn()
+        self._load_calls.append(fn)
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         """``setattr(obj, name, value)``, remembering whether ``obj`` had its own attribute."""
@@ -628,14 +642,19 @@ def _onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=No
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
-def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
-    if getattr(ops, "attention", None) is None:
-        return f"{UNFUSED}: onepass.ops.attention is not in this build"
+def register_attention() -> None:
+    """"onepass" as a transformers attention implementation, with its mask function."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register("onepass", onepass_attention)
     AttentionMaskInterface.register("onepass", _onepass_mask)
+
+
+def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
+    if getattr(ops, "attention", None) is None:
+        return f"{UNFUSED}: onepass.ops.attention is not in this build"
+    patches.on_load(register_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation("onepass")
     patches.on_undo(model, "set_attn_implementation", previous)
@@ -680,7 +699,9 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     unfilled_cache = _unfilled_cache_type()
 
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
-        if labels is None or not self.training or args:  # (positional arguments: labels may be among them)
+        # (positional arguments: labels may be among them; a head wrapped since optimize, e.g. by a PEFT
+        # adapter, or with hooks is called as HF calls it)
+        if labels is None or not self.training or args or type(self.lm_head) is not nn.Linear or hooked(self.lm_head):
             if labels is not None:
                 kwargs["labels"] = labels
             return original(self, input_ids, *args, **kwargs)
@@ -707,7 +728,7 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         loss = ops.linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]), head_weight, shift_labels.reshape(-1).to(hidden.device),
             bias=self.lm_head.bias, ignore_index=ignore_index,
-            reduction="mean" if num_items is None else "sum", softcap=softcap,
+            reduction="mean" if num_items is None else "sum", softcap=softcap, loss_dtype=torch.float32,
         )
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)

@@ -45,6 +45,7 @@ from torch import Tensor
 from onepass import reference
 from onepass.ops._gemm import accumulate_mm
 from onepass.ops._launch import (
+    FLOAT_DTYPES,
     as_rows,
     cdiv,
     check_float,
@@ -81,7 +82,7 @@ def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, chunk_size: int | None =
 
 
 def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                need_dh, need_dw, need_db, return_pred, all_rows, chunk_size, accum_dtype):
+                need_dh, need_dw, need_db, return_pred, all_rows, chunk_size, accum_dtype, loss_dtype):
     """One pass over the token chunks. With ``dloss`` (reduction "none", in backward) the
     gradients are scaled by it per token; without, by 1. Returns
     (loss, lse, pred, d_hidden, d_weight, d_bias), unneeded ones empty."""
@@ -121,7 +122,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
         if need_db:
             d_bias += z.sum(0, dtype=torch.float32)
     buf = z = None  # the logits buffer is not held through the cast of the dW accumulator below
-    loss = reduce_loss(loss_rows, counts, reduction, target.shape, hidden.dtype)
+    loss = reduce_loss(loss_rows, counts, reduction, target.shape, loss_dtype)
     return (
         loss, lse.view(target.shape), pred.view(target.shape) if return_pred else pred,
         d_hidden.view(hidden.shape) if need_dh else hidden.new_empty(0),  # (outputs may not alias)
@@ -137,14 +138,14 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
 def _lce_fwd(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool, need_db: bool,
-    return_pred: bool, all_rows: bool, chunk_size: int, accum_dtype: torch.dtype,
+    return_pred: bool, all_rows: bool, chunk_size: int, accum_dtype: torch.dtype, loss_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, pred, d_hidden, d_weight, d_bias); the gradients (for an upstream
     gradient of 1) only where asked for and the reduction is not "none"."""
     grads = reduction != "none"
     return _lce_launch(hidden, weight, target, bias, None, ignore_index, reduction, label_smoothing, z_loss, softcap,
                        need_dh and grads, need_dw and grads, need_db and grads, return_pred, all_rows, chunk_size,
-                       accum_dtype)
+                       accum_dtype, loss_dtype)
 
 
 def _fake_grads(hidden, weight, bias, need_dh, need_dw, need_db):
@@ -154,9 +155,9 @@ def _fake_grads(hidden, weight, bias, need_dh, need_dw, need_db):
 
 @_lce_fwd.register_fake
 def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, need_dh, need_dw,
-      need_db, return_pred, all_rows, chunk_size, accum_dtype):
+      need_db, return_pred, all_rows, chunk_size, accum_dtype, loss_dtype):
     grads = reduction != "none"
-    loss = hidden.new_empty(target.shape if reduction == "none" else ())
+    loss = hidden.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype)
     lse = hidden.new_empty(target.shape, dtype=torch.float32)
     pred = hidden.new_empty(target.shape if return_pred else 0, dtype=torch.int64)
     return (loss, lse, pred,
@@ -171,7 +172,7 @@ def _lce_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """reduction="none": recompute each chunk's logits and scale its gradient per token by dloss."""
     out = _lce_launch(hidden, weight, target, bias, dloss, ignore_index, "none", label_smoothing, z_loss, softcap,
-                      need_dh, need_dw, need_db, False, False, chunk_size, accum_dtype)
+                      need_dh, need_dw, need_db, False, False, chunk_size, accum_dtype, hidden.dtype)
     return out[3], out[4], out[5]
 
 
@@ -183,7 +184,7 @@ def _(dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, need_dh, need_dw,
-     need_db, return_pred, all_rows, chunk_size, accum_dtype) = inputs
+     need_db, return_pred, all_rows, chunk_size, accum_dtype, loss_dtype) = inputs
     loss, lse, pred, d_hidden, d_weight, d_bias = output
     ctx.mark_non_differentiable(lse, pred, d_hidden, d_weight, d_bias)
     # no zero-filled gradients for the outputs nobody differentiates (a gradient-sized
@@ -201,7 +202,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dloss, _dlse, _dpred, _ddh, _ddw, _ddb):
     if dloss is None:  # only lse or pred was used
-        return (None,) * 16
+        return (None,) * 17
     if ctx.recompute:
         hidden, weight, target, bias = ctx.saved_tensors
         grads = _lce_bwd(dloss, hidden, weight, target, bias, *ctx.options, *ctx.needs, ctx.chunk_size,
@@ -211,7 +212,7 @@ def _backward(ctx, dloss, _dlse, _dpred, _ddh, _ddw, _ddb):
         grads = ctx.saved_tensors
     d_hidden, d_weight, d_bias = (scaled_grad(g, dloss) if need and not ctx.recompute else (g if need else None)
                                   for g, need in zip(grads, ctx.needs))
-    return (d_hidden, d_weight, None, d_bias) + (None,) * 12
+    return (d_hidden, d_weight, None, d_bias) + (None,) * 13
 
 
 _lce_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -220,7 +221,7 @@ _lce_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public function
 
 
-def _check(hidden, weight, target, bias, accum_dtype, chunk_size):
+def _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype):
     check_float("hidden", hidden)
     check_float("weight", weight)
     if hidden.dim() == 0:
@@ -228,6 +229,8 @@ def _check(hidden, weight, target, bias, accum_dtype, chunk_size):
     check_linear("hidden", hidden, "weight", weight, "bias", bias, out_name="vocab")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
+    if loss_dtype is not None and loss_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"loss_dtype must be None, torch.float32, float16 or bfloat16, got {loss_dtype}")
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
@@ -237,7 +240,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: float | None = None, *, return_lse: bool = False,
                          return_pred: bool = False, chunk_size: int | None = None,
-                         accum_dtype: torch.dtype = torch.float32):
+                         accum_dtype: torch.dtype = torch.float32, loss_dtype: torch.dtype | None = None):
     """``cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the full logits.
 
     hidden [*, H], weight [V, H], bias [V] (one dtype), target [*]; the options and the
@@ -245,16 +248,19 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     hidden's dtype, as F.linear does). ``chunk_size`` overrides the tokens per chunk
     (default: chosen from the accumulator, see the module docstring); ``accum_dtype`` is
     the dtype dW is accumulated in across chunks: float32 (default) or the weight's.
+    ``loss_dtype``: the loss's dtype, hidden's by default (as ``F.cross_entropy(F.linear(...))``
+    gives it); torch.float32 gives Hugging Face's causal-LM loss, which upcasts the logits (a
+    sum over many tokens overflows float16). The loss is computed in float32 either way.
     Gradients are computed during the forward when autograd needs them (all three
     matmuls run there), so a second backward through the same graph raises.
     """
-    _check(hidden, weight, target, bias, accum_dtype, chunk_size)
+    _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype)
     check_loss_options(target, weight.shape[0], ignore_index, reduction, label_smoothing, z_loss, softcap,
                        hidden.shape[:-1])
     softcap = float(softcap) if softcap is not None else None
     args = (ignore_index, reduction, float(label_smoothing), float(z_loss), softcap)
     if not use_triton(hidden):
-        loss = reference.linear_cross_entropy(hidden, weight, target, bias, *args)
+        loss = reference.linear_cross_entropy(hidden, weight, target, bias, *args, loss_dtype=loss_dtype)
         if not (return_lse or return_pred):
             return loss
         with torch.no_grad():
@@ -264,7 +270,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
              grad_on and bias is not None and bias.requires_grad)
     loss, lse, pred, *_ = _lce_fwd(hidden, weight, target, bias, *args, *needs, return_pred,
-                                   return_lse or return_pred, chunk_size or 0, accum_dtype)
+                                   return_lse or return_pred, chunk_size or 0, accum_dtype, loss_dtype or hidden.dtype)
     if not (return_lse or return_pred):
         return loss
     return loss, (lse if return_lse else None), (pred if return_pred else None)

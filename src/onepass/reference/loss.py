@@ -43,7 +43,12 @@ def logsumexp_argmax(logits, softcap=None):
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, z_loss=0.0, softcap=None):
-    """The LM head then the loss, as Hugging Face writes it: the full [tokens, V] logits exist."""
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, loss_dtype=None):
+    """The LM head then the loss, as Hugging Face writes it: the full [tokens, V] logits exist.
+    With ``loss_dtype`` the logits are upcast to float32 first (HF's causal-LM loss) and the
+    loss returned in ``loss_dtype``."""
     logits = F.linear(hidden, weight, bias)  # write [tokens, V] in the hidden's dtype
-    return cross_entropy(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if loss_dtype is None:
+        return cross_entropy(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    return cross_entropy(logits.float(), target, ignore_index, reduction, label_smoothing, z_loss,
+                         softcap).to(loss_dtype)
