@@ -80,3 +80,23 @@ def test_train_floor_counts_what_trains():
     linear_flops = flops - 7 * 4 * 2048**2 * 32 * 64 * 16  # without attention
     assert 0.66 < (lora_flops - (flops - linear_flops)) / linear_flops < 0.68  # 4 of 6 flops a weight, + adapters
     assert lora_bytes < bytes_ - 8 * 1.2e9 * 2  # 8 of every frozen weight's 10 passes gone
+
+
+def test_only_writes_beside_the_full_results(tmp_path, monkeypatch):
+    """--only X keeps each suite's full results: its rows go to <suite>-only-X, and a suite
+    without a matching case writes nothing (every suite's results were rewritten, emptied)."""
+    from onepass.bench import harness
+
+    monkeypatch.setattr(harness.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness, "measure_ceilings", lambda: harness.Ceilings(copy_gbps=4000.0, matmul_tflops=700.0))
+    monkeypatch.setattr(harness, "environment", lambda ceilings: ENV)
+    monkeypatch.setattr(harness, "run_case", lambda case, ceilings, log: [
+        harness.Row(case.op, case.mode, case.shape, "onepass", ms=1.0)])
+    folder = tmp_path / "h200"
+    folder.mkdir()
+    (folder / "norm.json").write_text("the full run")
+    results = harness.run_suites(["norm", "activation"], tmp_path, only="rms", log=lambda *a: None)
+    assert results["activation"] == [] and not (folder / "activation.json").exists()
+    assert {r.op for r in results["norm"]} == {"rms_norm", "add_rms_norm"}
+    assert (folder / "norm.json").read_text() == "the full run"
+    assert (folder / "norm-only-rms.json").exists() and (folder / "norm-only-rms.md").exists()

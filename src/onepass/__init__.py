@@ -26,3 +26,7 @@ def __getattr__(name):
     if name in _LAZY_FUNCTIONS:
         return getattr(importlib.import_module(_LAZY_FUNCTIONS[name]), name)
     raise AttributeError(f"module 'onepass' has no attribute {name!r}")
+
+
+def __dir__():  # the lazy names too, for completion
+    return sorted(__all__)

@@ -29,6 +29,10 @@ def _interpret_without_gpu() -> str:
 
 def _selfcheck(_args) -> int:
     device = _interpret_without_gpu()
+    if os.environ.get("ONEPASS_REFERENCE") == "1":
+        print("onepass selfcheck: ONEPASS_REFERENCE=1 runs every op's reference, so no kernel would be checked; "
+              "unset it", file=sys.stderr)
+        return 2
     from onepass import selfcheck
 
     where = "on the GPU" if device == "cuda" else "on the CPU through Triton's interpreter"
@@ -36,14 +40,30 @@ def _selfcheck(_args) -> int:
     return 0 if selfcheck.run(device) else 1
 
 
+def _no_gpu(command: str) -> bool:
+    """Whether there is no CUDA GPU for a benchmark (said on stderr)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"onepass {command}: benchmarks need a CUDA GPU; without one, run `onepass selfcheck`", file=sys.stderr)
+    return True
+
+
 def _bench_ops(args) -> int:
+    if _no_gpu("bench ops"):
+        return 2
     from onepass.bench.harness import run_suites
 
-    run_suites(args.suite or None, args.out, args.only)
+    if not any(run_suites(args.suite or None, args.out, args.only).values()):
+        print(f"onepass bench ops: no case's op name contains {args.only!r}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _bench_train(args) -> int:
+    if _no_gpu("bench train"):
+        return 2
     from onepass.bench.train import run
 
     run(args.model, args.batch, args.seq, args.out, lora_rank=args.lora)
@@ -51,10 +71,24 @@ def _bench_train(args) -> int:
 
 
 def _bench_generate(args) -> int:
+    if _no_gpu("bench generate"):
+        return 2
     from onepass.bench.generate import run
 
     run(args.model, tuple(args.batch or (1, 8)), args.prompt, args.new, args.out, compile_hf=not args.no_compile)
     return 0
+
+
+def _at_least(low: int):
+    """An argparse type: an int >= low."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def _analyze(args) -> int:
@@ -76,6 +110,10 @@ def _run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from onepass.bench.harness import SUITES
+    from onepass.models.configs import CONFIGS
+
+    models = sorted(CONFIGS)
     parser = argparse.ArgumentParser(prog="onepass", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="the main job (benchmarks on a GPU, self-check without)").set_defaults(fn=_run)
@@ -83,23 +121,26 @@ def build_parser() -> argparse.ArgumentParser:
         fn=_selfcheck)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
     bench_ops = bench.add_parser("ops", help="every op against eager, torch.compile, Liger (GPU)")
-    bench_ops.add_argument("--suite", action="append", help="a suite to run (repeatable; default all)")
-    bench_ops.add_argument("--only", help="keep only the cases whose op name contains this")
+    bench_ops.add_argument("--suite", action="append", choices=SUITES, help="a suite to run (repeatable; default all)")
+    bench_ops.add_argument("--only", help="keep only the cases whose op name contains this (results written beside "
+                                          "the full ones, as <suite>-only-<this>)")
     bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_ops.set_defaults(fn=_bench_ops)
     bench_train = bench.add_parser("train", help="a whole training step: eager, torch.compile, Liger, onepass (GPU)")
-    bench_train.add_argument("--model", default="llama-1b", help="a built-in model configuration")
-    bench_train.add_argument("--batch", type=int, default=4)
-    bench_train.add_argument("--seq", type=int, default=2048)
-    bench_train.add_argument("--lora", type=int, default=0, metavar="R",
+    bench_train.add_argument("--model", default="llama-1b", choices=models, help="a built-in model configuration")
+    bench_train.add_argument("--batch", type=_at_least(1), default=4)
+    bench_train.add_argument("--seq", type=_at_least(2), default=2048)
+    bench_train.add_argument("--lora", type=_at_least(0), default=0, metavar="R",
                              help="LoRA fine-tuning: PEFT rank-R adapters on every projection, base frozen")
     bench_train.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_train.set_defaults(fn=_bench_train)
     bench_generate = bench.add_parser("generate", help="greedy generation: HF generate against onepass (GPU)")
-    bench_generate.add_argument("--model", default="llama-1b", help="a built-in model configuration")
-    bench_generate.add_argument("--batch", type=int, action="append", help="a batch size (repeatable; default 1, 8)")
-    bench_generate.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    bench_generate.add_argument("--new", type=int, default=256, help="new tokens")
+    bench_generate.add_argument("--model", default="llama-1b", choices=models, help="a built-in model configuration")
+    bench_generate.add_argument("--batch", type=_at_least(1), action="append",
+                                help="a batch size (repeatable; default 1, 8)")
+    bench_generate.add_argument("--prompt", type=_at_least(1), default=128, help="prompt tokens")
+    bench_generate.add_argument("--new", type=_at_least(2), default=256, help="new tokens (the first comes from "
+                                                                            "the prompt's forward, the rest timed)")
     bench_generate.add_argument("--no-compile", action="store_true",
                                 help="skip HF generate with a static cache and torch.compile (its compile takes minutes)")
     bench_generate.add_argument("--out", default="benchmarks/results", help="results folder")

@@ -104,6 +104,11 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     if unfused:
         listing = "; ".join(f"{k}: {v}" for k, v in unfused.items())
         warnings.warn(f"onepass.optimize({type(hf).__name__}): partly fused. {listing}", stacklevel=2)
+    weight = next(hf.parameters(), None)
+    if weight is not None and weight.device.type == "cpu" and not _launch.interpreting():
+        warnings.warn(f"onepass.optimize({type(hf).__name__}): the model is on the CPU, where onepass ops run their "
+                      "PyTorch reference (nothing fused runs; TRITON_INTERPRET=1 runs the kernels through Triton's "
+                      "interpreter): move it to a CUDA GPU", stacklevel=2)
     return model
 
 

@@ -89,6 +89,10 @@ def test_cli(tmp_path, capsys):
     assert "A100" in out and "report.html" in out
     assert json.loads((tmp_path / "report.json").read_text())["mode"] == "train"
     assert main(["--model", "gpt2-tiny", "--seq", "0"]) == 2
+    assert main(["--model", "gpt2-tiny", "--seq", "257"]) == 2  # past its 256 positions
+    assert "256 positions" in capsys.readouterr().err
+    assert main(["--model", "gpt2-tiny", "--quiet"]) == 0  # the default seq: its 256 positions, not 2048
+    assert "seq 256" in capsys.readouterr().out
 
 
 def test_bad_names():

@@ -248,6 +248,15 @@ def test_model_dispatched_by_accelerate_is_refused(tmp_path):
     assert not hasattr(model, "_onepass_state")
 
 
+def test_a_model_on_the_cpu_without_the_interpreter_is_warned_about(monkeypatch):
+    """There every op runs its PyTorch reference: the report's "fused" would be all the user saw."""
+    from onepass.ops import _launch
+
+    monkeypatch.setattr(_launch, "_INTERPRETING", False)
+    with pytest.warns(UserWarning, match="on the CPU"):
+        onepass.optimize(tiny.build("llama"))
+
+
 def test_partly_fused_warns_what_stays_unfused(device, monkeypatch):
     monkeypatch.delattr(onepass.ops, "rope")
     model = tiny.build("llama").to(device)

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="H100", choices=list(GPUS), help="datasheet ceilings for the roofline")
     parser.add_argument("--mode", default="forward", choices=["forward", "train"])
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=None, help="tokens a row (default: 2048, or the model's maximum "
+                                                                 "if less)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--out", default=None, help="directory for report.json/.md/.html, roofline.svg, trace.json")
     parser.add_argument("--measure", action="store_true",
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from onepass.analyze import analyze
     from onepass.models.configs import build
 
-    if args.batch < 1 or args.seq < 1:
+    if args.batch < 1 or (args.seq is not None and args.seq < 1):
         print("onepass analyze: --batch and --seq must be positive", file=sys.stderr)
         return 2
     if args.measure and not torch.cuda.is_available():
@@ -48,8 +49,13 @@ def run(args: argparse.Namespace) -> int:
     if device == "cuda":
         torch.manual_seed(0)
     model = build(args.model, device=device, dtype=getattr(torch, args.dtype))
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 2048)
+    seq = args.seq or min(2048, positions)
+    if seq > positions:
+        print(f"onepass analyze: --seq {seq} is past {args.model}'s {positions} positions", file=sys.stderr)
+        return 2
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+    ids = torch.randint(0, vocab, (args.batch, seq), device=device)
     kwargs = {"use_cache": False}
     if args.mode == "train":
         kwargs["labels"] = ids
@@ -72,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         # each variant gets the eager step's keyword arguments (labels, use_cache)
         variants = {name: functools.partial(fn, **kwargs) for name, fn in compiled}
     report = analyze(model, ids, gpu=args.gpu, mode=args.mode, measure=args.measure, variants=variants,
-                     quiet=args.quiet, title=f"{args.model} batch {args.batch} x seq {args.seq}",
+                     quiet=args.quiet, title=f"{args.model} batch {args.batch} x seq {seq}",
                      trace_dir=args.out, **kwargs)
     print(report.table(top=args.top))
     if args.out:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import platform
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -170,7 +171,9 @@ def run_suites(names: list[str] | None = None, out_dir: str | Path = "benchmarks
                only: str | None = None, log=print) -> dict[str, list[Row]]:
     """Run the named suites (all by default) on the current GPU and write their results.
 
-    ``only`` keeps the cases whose op name contains it.
+    ``only`` keeps the cases whose op name contains it; their results go beside the full
+    ones (``<suite>-only-<only>.json``), which stay as they were, and a suite with no such
+    case writes nothing.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarks need a CUDA GPU; without one, run `onepass selfcheck`")
@@ -184,11 +187,16 @@ def run_suites(names: list[str] | None = None, out_dir: str | Path = "benchmarks
     for suite in names or SUITES:
         module = importlib.import_module(f"onepass.bench.suites.{suite}")
         cases = [c for c in module.cases() if only is None or only in c.op]
+        if not cases:
+            log(f"[{suite}] no case's op name contains {only!r}: nothing written")
+            results[suite] = []
+            continue
+        stem = suite if only is None else f"{suite}-only-{re.sub(r'[^A-Za-z0-9_.]+', '_', only)}"
         rows: list[Row] = []
         for i, case in enumerate(cases, 1):
             log(f"[{suite} {i}/{len(cases)}] {case.op} {case.mode} {case.shape}")
             rows += run_case(case, ceilings, log)
-        (folder / f"{suite}.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]}, indent=1))
-        (folder / f"{suite}.md").write_text(to_markdown(suite, env, rows))
+        (folder / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]}, indent=1))
+        (folder / f"{stem}.md").write_text(to_markdown(suite, env, rows))
         results[suite] = rows
     return results
