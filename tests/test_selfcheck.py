@@ -5,6 +5,9 @@ from onepass import selfcheck
 
 
 def test_every_op_passes_its_selfcheck_and_has_a_budget(device):
+    from onepass import ops
+
+    assert {c.op for c in selfcheck.CHECKS} == set(ops.__all__)  # every public op (add_layer_norm, adamw were not)
     lines = []
     assert selfcheck.run(device, log=lines.append)
     body = "\n".join(lines[1:])

@@ -95,10 +95,19 @@ def _decode_rows(*features: int):
     return make
 
 
+def _adamw(m, p, g, exp_avg, exp_avg_sq):
+    """One step on copies (the op updates in place); returns the new parameter and moments."""
+    p, exp_avg, exp_avg_sq = p.clone(), exp_avg.clone(), exp_avg_sq.abs()
+    m.adamw_step([p], [g], [exp_avg], [exp_avg_sq], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                 step=3)
+    return p, exp_avg, exp_avg_sq
+
+
 CHECKS = [
     Check("rms_norm", "norm", _rows(1, 4096, 1), lambda m, x, w: m.rms_norm(x, w)),
     Check("layer_norm", "norm", _rows(1, 4096, 2), lambda m, x, w, b: m.layer_norm(x, w, b)),
     Check("add_rms_norm", "norm", _rows(2, 4096, 1), lambda m, x, r, w: m.add_rms_norm(x, r, w)),
+    Check("add_layer_norm", "norm", _rows(2, 4096, 2), lambda m, x, r, w, b: m.add_layer_norm(x, r, w, b)),
     Check("swiglu", "activation", _rows(2, 8192), lambda m, g, u: m.swiglu(g, u)),
     Check("geglu", "activation", _rows(2, 8192), lambda m, g, u: m.geglu(g, u)),
     Check("bias_gelu", "activation", _rows(1, 8192, 1), lambda m, x, b: m.bias_gelu(x, b)),
@@ -114,6 +123,7 @@ CHECKS = [
           lambda m, x, *ws: m.decode_linear(x, list(ws)), n_grad=0),
     Check("decode_gated_linear", "decode_linear", _decode_rows(8192, 8192),
           lambda m, x, g, u: m.decode_gated_linear(x, g, u), n_grad=0),
+    Check("adamw_step", "optim", _rows(4, 4096), _adamw, n_grad=0),
 ]
 
 
