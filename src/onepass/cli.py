@@ -1,4 +1,4 @@
-"""The ``onepass`` command.
+"""The onepass command: benchmarks, self-check and the fusion analyzer.
 
     onepass run                 the main job: the benchmark suite on a GPU; without one,
                                 every op's self-check through Triton's interpreter

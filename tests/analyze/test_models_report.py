@@ -93,6 +93,9 @@ def test_cli(tmp_path, capsys):
     assert "256 positions" in capsys.readouterr().err
     assert main(["--model", "gpt2-tiny", "--quiet"]) == 0  # the default seq: its 256 positions, not 2048
     assert "seq 256" in capsys.readouterr().out
+    assert main(["--model", "gpt2-tiny", "--top", "0"]) == 2
+    assert main(["--model", "gpt2-tiny", "--out", str(tmp_path / "report.json")]) == 2  # a file, not a folder
+    assert "not a folder" in capsys.readouterr().err
 
 
 def test_bad_names():

@@ -10,6 +10,7 @@ The lead wires it: ``add_arguments(subparser)`` then ``run(args)``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -39,8 +40,11 @@ def run(args: argparse.Namespace) -> int:
     from onepass.analyze import analyze
     from onepass.models.configs import build
 
-    if args.batch < 1 or (args.seq is not None and args.seq < 1):
-        print("onepass analyze: --batch and --seq must be positive", file=sys.stderr)
+    if args.batch < 1 or (args.seq is not None and args.seq < 1) or args.top < 1:
+        print("onepass analyze: --batch, --seq and --top must be positive", file=sys.stderr)
+        return 2
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"onepass analyze: --out {args.out} is a file, not a folder", file=sys.stderr)
         return 2
     if args.measure and not torch.cuda.is_available():
         print("onepass analyze: --measure needs a CUDA GPU", file=sys.stderr)

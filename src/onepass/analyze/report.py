@@ -184,7 +184,8 @@ class Report:
             if any(header):
                 lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
             for r in rows:
-                lines.append("  ".join(c[:100].ljust(w) for c, w in zip(r, widths)).rstrip())
+                lines.append("  ".join((c if len(c) <= 100 else c[:99] + "…").ljust(w)
+                                       for c, w in zip(r, widths)).rstrip())
             lines.append("")
         lines += [c.describe(self.gpu.name) for c in self.fusion.chains[:3]]
         return "\n".join(lines)
