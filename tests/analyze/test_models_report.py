@@ -94,8 +94,10 @@ def test_cli(tmp_path, capsys):
     assert main(["--model", "gpt2-tiny", "--quiet"]) == 0  # the default seq: its 256 positions, not 2048
     assert "seq 256" in capsys.readouterr().out
     assert main(["--model", "gpt2-tiny", "--top", "0"]) == 2
-    assert main(["--model", "gpt2-tiny", "--out", str(tmp_path / "report.json")]) == 2  # a file, not a folder
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["--model", "gpt2-tiny", "--out", str(tmp_path / "notes.txt")]) == 2  # a file, not a folder
     assert "not a folder" in capsys.readouterr().err
+    assert main(["--model", "gpt2-tiny", "--quiet", "--out", str(tmp_path / "report.json")]) == 0  # one report file
 
 
 def test_bad_names():

@@ -489,6 +489,27 @@ def test_training_loss_is_float32_as_hf(device):
     assert_close(summed, expected_summed, torch.bfloat16)
 
 
+def test_export_of_an_optimized_model(device):
+    """torch.export (non-strict) reads each module's forward.__code__, through the patched forward."""
+    model, ref = _pair("llama", device)
+    model.eval(), ref.eval()
+    ids = _batch().to(device)
+    exported = torch.export.export(model, (ids,), kwargs={"use_cache": False})
+    with torch.no_grad():
+        _assert_close(exported.module()(ids, use_cache=False).logits, ref(ids).logits, "logits")
+
+
+def test_a_module_whose_forward_has_no_signature_is_patched(device):
+    """A forward inspect cannot read (a builtin) gets replaced as before; only HF's signature is not shown."""
+    model, _ = _pair("llama", device)
+    onepass.undo(model)
+    model.model.layers[0].mlp.forward = torch.sigmoid
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    assert type(model.model.layers[0].mlp.__dict__["forward"]).__name__ == "InstanceForward"
+
+
 def test_labels_passed_positionally(device):
     """As HF's forward takes them: (input_ids, attention_mask, position_ids, past_key_values,
     inputs_embeds, labels)."""

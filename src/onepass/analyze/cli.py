@@ -43,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 1 or (args.seq is not None and args.seq < 1) or args.top < 1:
         print("onepass analyze: --batch, --seq and --top must be positive", file=sys.stderr)
         return 2
-    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
-        print(f"onepass analyze: --out {args.out} is a file, not a folder", file=sys.stderr)
+    one_file = args.out and os.path.splitext(args.out)[1].lower() in (".json", ".md", ".html")  # (Report.write)
+    if args.out and not one_file and os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"onepass analyze: --out {args.out} is a file, not a folder (or a .json, .md or .html report)",
+              file=sys.stderr)
         return 2
     if args.measure and not torch.cuda.is_available():
         print("onepass analyze: --measure needs a CUDA GPU", file=sys.stderr)

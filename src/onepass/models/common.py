@@ -100,21 +100,30 @@ class InstanceForward:
     function (``takes_residual``) read through.
     """
 
+    # a function's own attributes that callers of a bound method read through it
+    # (torch.export reads forward.__code__); other dunder names (pickling, copying,
+    # __wrapped__) are not passed on
+    _FUNCTION_ATTRIBUTES = frozenset(("__code__", "__defaults__", "__kwdefaults__", "__globals__", "__name__",
+                                      "__qualname__"))
+
     def __init__(self, module: nn.Module, make: Callable[..., Callable], *args: Any) -> None:
-        self.__signature__ = inspect.signature(module.forward)  # the replaced forward's (self bound)
         self.__self__, self.__func__ = module, make(*args)
         self._make = (make, args)
+        try:
+            signature = inspect.signature(module.forward)  # the replaced forward's (self bound)
+        except (TypeError, ValueError):  # a builtin or other uninspectable forward: the function's own
+            return
+        self.__signature__ = signature
         # and the function's, self first: a wrapper of it bound to the module (accelerate's
         # mixed-precision forward, which Trainer leaves in place) shows the same signature
         self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        self.__func__.__signature__ = self.__signature__.replace(
-            parameters=[self_param, *self.__signature__.parameters.values()])
+        self.__func__.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__func__(self.__self__, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "__func__" not in self.__dict__:
+        if "__func__" not in self.__dict__ or (name.startswith("__") and name not in self._FUNCTION_ATTRIBUTES):
             raise AttributeError(name)
         return getattr(self.__func__, name)
 
