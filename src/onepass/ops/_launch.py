@@ -55,6 +55,12 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
+def check_dtype_option(name: str, dtype: torch.dtype | None) -> None:
+    """An optional output dtype (None: the op's default): one the kernels write."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be None, torch.float32, float16 or bfloat16, got {dtype}")
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     devices = {v.device for v in tensors.values() if v is not None}
     if len(devices) > 1:

@@ -45,9 +45,9 @@ from torch import Tensor
 from onepass import reference
 from onepass.ops._gemm import accumulate_mm
 from onepass.ops._launch import (
-    FLOAT_DTYPES,
     as_rows,
     cdiv,
+    check_dtype_option,
     check_float,
     check_linear,
     check_same_device,
@@ -229,8 +229,7 @@ def _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype):
     check_linear("hidden", hidden, "weight", weight, "bias", bias, out_name="vocab")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
-    if loss_dtype is not None and loss_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"loss_dtype must be None, torch.float32, float16 or bfloat16, got {loss_dtype}")
+    check_dtype_option("loss_dtype", loss_dtype)
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)

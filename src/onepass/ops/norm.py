@@ -47,9 +47,9 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops._launch import (
-    FLOAT_DTYPES,
     as_rows,
     cdiv,
+    check_dtype_option,
     check_float,
     check_probability,
     check_same_device,
@@ -459,8 +459,7 @@ def _check(x, residual, weight, bias, dropout_p, eps, out_dtype=None):
     check_float("x", x)
     if not (is_number(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype must be None, torch.float32, float16 or bfloat16, got {out_dtype}")
+    check_dtype_option("out_dtype", out_dtype)
     if residual is not None:
         check_float("residual", residual)
         check_same_shape("residual", residual, "x", x)
