@@ -38,12 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from onepass.analyze import analyze
+    from onepass.analyze.report import ONE_FILE_SUFFIXES
     from onepass.models.configs import build
 
     if args.batch < 1 or (args.seq is not None and args.seq < 1) or args.top < 1:
         print("onepass analyze: --batch, --seq and --top must be positive", file=sys.stderr)
         return 2
-    one_file = args.out and os.path.splitext(args.out)[1].lower() in (".json", ".md", ".html")  # (Report.write)
+    one_file = args.out and os.path.splitext(args.out)[1].lower() in ONE_FILE_SUFFIXES
     if args.out and not one_file and os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"onepass analyze: --out {args.out} is a file, not a folder (or a .json, .md or .html report)",
               file=sys.stderr)

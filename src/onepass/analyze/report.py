@@ -28,6 +28,10 @@ def _pattern_of(module: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".*\1", module)
 
 
+# a path ending so is one report file (``Report.write``); any other is a folder of them
+ONE_FILE_SUFFIXES = (".json", ".md", ".html")
+
+
 @dataclass
 class Report:
     title: str  # "llama-1b, forward, batch 1 x seq 2048"
@@ -264,7 +268,7 @@ class Report:
         """Write the report. A directory gets report.json, report.md, roofline.svg and report.html;
         a path ending in .json, .md or .html gets that one file. Returns the paths written."""
         ext = os.path.splitext(path)[1].lower()
-        if ext in (".json", ".md", ".html"):
+        if ext in ONE_FILE_SUFFIXES:
             text = {".json": self.to_json, ".md": lambda: self.to_markdown(roofline_file=None),
                     ".html": self.to_html}[ext]()
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
