@@ -89,7 +89,7 @@ class Decoder:
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                  cuda_graph: bool | None = None) -> None:
         try:
-            from transformers import StaticCache
+            import transformers  # noqa: F401  (the cache is transformers')
         except ImportError as e:
             raise ImportError("onepass.generate needs transformers (pip install 'onepass[hf]')") from e
         config = getattr(model, "config", None)
@@ -115,7 +115,7 @@ class Decoder:
         pad = pad_token_id if pad_token_id is not None else getattr(generation, "pad_token_id", None)
         pad = pad if pad is not None else (eos[0] if eos else 0)
         self.eos_token_ids, self.pad_token_id = eos, int(pad)
-        self.cache = StaticCache(config=config, max_cache_len=max_len)
+        self._start_over()
         sliding = any(getattr(self.cache, "is_sliding", ()))
         self.graph_off = self._why_no_graph(device, cuda_graph, sliding)
 
@@ -134,8 +134,6 @@ class Decoder:
         self._lengths = None if sliding else zeros(batch_size, dtype=torch.int32)
         self._eos = torch.tensor(eos, dtype=torch.long, device=device)
         self._pad = torch.tensor(self.pad_token_id, dtype=torch.long, device=device)
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # padded prompts or not -> the captured step
-        self._weights = self._weights_key()  # what the cache and the captured steps were made for
 
     @staticmethod
     def _why_no_graph(device: torch.device, cuda_graph: bool | None, sliding: bool) -> str | None:
@@ -234,16 +232,19 @@ class Decoder:
         them at the addresses it was captured with, and the cache holds the dtype it was filled in."""
         return tuple((t.data_ptr(), t.dtype) for t in (*self.model.parameters(), *self.model.buffers()))
 
+    def _start_over(self) -> None:
+        """A new cache and no captured step, made for the model's tensors as they are now."""
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # padded prompts or not -> the captured step
+        self._weights = self._weights_key()  # what the cache and the captured steps were made for
+
     def _follow_the_model(self) -> None:
         """After the model's tensors moved (``load_state_dict(..., assign=True)``, ``model.to(dtype)``,
         ...), capture the step again and start a new cache: a replay would read the old memory."""
-        key = self._weights_key()
-        if key != self._weights:
-            from transformers import StaticCache
-
-            self._graphs.clear()
-            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
-            self._weights = key
+        if self._weights_key() != self._weights:
+            self._start_over()
 
     # ------------------------------------------------------------------------ the call
 
