@@ -111,6 +111,9 @@ CHUNK_WAVES = 4
 # 192 us (128x64/8: 192, 128x128/8: 261); dK/dV 32x128/4/3 364 us (32x64/4: 406, 64x64/4:
 # 439, 64x128/8: 489; 4 or 5 stages slower); dQ 64x64/4/3 200 us (64x32/4: 202, 128x64/8: 257).
 # cuDNN through SDPA in the same run: fwd 181 us, bwd 564 us (ours 582 with the preprocess).
+# Measured and dropped: the wgmma A operands (dK/dV's k and v, the forward's q, dQ's q and dO)
+# held in registers instead of shared memory: slower at every setting (dK/dV 430 against 365 us;
+# benchmarks/results/h200/attention_rs_operands.log).
 CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
     "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
