@@ -83,7 +83,7 @@ def test_report_files(tmp_path):
 
 
 def test_cli(tmp_path, capsys):
-    assert main(["--model", "gpt2-tiny", "--seq", "16", "--mode", "train", "--gpu", "A100", "--quiet",
+    assert main(["--model", "gpt2-tiny", "--seq", "16", "--mode", "train", "--gpu", "a100", "--quiet",
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "A100" in out and "report.html" in out

@@ -18,11 +18,17 @@ import torch
 from onepass.analyze.gpus import GPUS
 
 
+def _gpu_name(name: str) -> str:
+    """A GPU name as the datasheet table spells it (``h100`` -> ``H100``); an unknown one as given,
+    for argparse's choices to refuse."""
+    return next((known for known in GPUS if known.lower() == name.lower()), name)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from onepass.models.configs import CONFIGS
 
     parser.add_argument("--model", default="llama-1b", choices=sorted(CONFIGS), help="built-in model configuration")
-    parser.add_argument("--gpu", default="H100", choices=list(GPUS), help="datasheet ceilings for the roofline")
+    parser.add_argument("--gpu", default="H100", type=_gpu_name, choices=list(GPUS), help="datasheet ceilings for the roofline")
     parser.add_argument("--mode", default="forward", choices=["forward", "train"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=None, help="tokens a row (default: 2048, or the model's maximum "
