@@ -19,8 +19,10 @@ on meta tensors.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -104,8 +106,19 @@ class Trace:
     layer_prefix: str = ""  # "model.layers."
 
 
+_storage_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> its number
+_next_storage_id = itertools.count()
+
+
 def _storage_id(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    """A number for t's storage that no other storage gets in this process. (Its address
+    would: a freed storage's address is reused, and a new tensor there was taken for the
+    old one, read from its writer: chains and savings varied from run to run.)"""
+    storage = t.untyped_storage()
+    sid = _storage_ids.get(storage)
+    if sid is None:
+        sid = _storage_ids[storage] = next(_next_storage_id)
+    return sid
 
 
 def touched_bytes(t: torch.Tensor) -> int:
