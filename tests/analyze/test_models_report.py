@@ -98,6 +98,9 @@ def test_cli(tmp_path, capsys):
     assert main(["--model", "gpt2-tiny", "--out", str(tmp_path / "notes.txt")]) == 2  # a file, not a folder
     assert "not a folder" in capsys.readouterr().err
     assert main(["--model", "gpt2-tiny", "--quiet", "--out", str(tmp_path / "report.json")]) == 0  # one report file
+    capsys.readouterr()
+    assert main(["--model", "gpt2-tiny", "--quiet", "--out", str(tmp_path / "notes.txt" / "sub")]) == 2
+    assert "cannot write" in capsys.readouterr().err  # said before the analysis, in one line
 
 
 def test_bad_names():

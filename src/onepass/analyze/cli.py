@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -58,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
     if args.measure and not torch.cuda.is_available():
         print("onepass analyze: --measure needs a CUDA GPU", file=sys.stderr)
         return 2
+    folder = (os.path.dirname(args.out) or ".") if one_file else args.out
+    if args.out:  # checked before the analysis, not after it
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            print(f"onepass analyze: cannot write to --out {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
     device = "cuda" if args.measure else "meta"
     if device == "cuda":
         torch.manual_seed(0)
@@ -92,11 +101,14 @@ def run(args: argparse.Namespace) -> int:
         variants = {name: functools.partial(fn, **kwargs) for name, fn in compiled}
     report = analyze(model, ids, gpu=args.gpu, mode=args.mode, measure=args.measure, variants=variants,
                      quiet=args.quiet, title=f"{args.model} batch {args.batch} x seq {seq}",
-                     trace_dir=args.out, **kwargs)
+                     trace_dir=folder, **kwargs)
     print(report.table(top=args.top))
     if args.out:
         for path in report.write(args.out):
             print(f"wrote {path}")
+        stale = os.path.join(folder, "trace.json")
+        if not args.measure and os.path.exists(stale):
+            print(f"(left as it was: {stale}, from an earlier --measure run)")
     return 0
 
 
