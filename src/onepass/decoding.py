@@ -93,7 +93,7 @@ class Decoder:
         except ImportError as e:
             raise ImportError("onepass.generate needs transformers (pip install 'onepass[hf]')") from e
         config = getattr(model, "config", None)
-        if config is None or not hasattr(model, "get_output_embeddings"):
+        if config is None or getattr(model, "get_output_embeddings", lambda: None)() is None:
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")

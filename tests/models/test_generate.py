@@ -246,6 +246,8 @@ def test_bad_input_raises_clearly():
             Decoder(model, **{"batch_size": 2, "max_len": 12, **bad})
     with pytest.raises(TypeError, match="causal LM"):
         Decoder(torch.nn.Linear(2, 2), batch_size=1, max_len=4)
+    with pytest.raises(TypeError, match="causal LM"):  # a base model: no LM head (it failed at generate)
+        Decoder(model.base_model, batch_size=1, max_len=4)
 
 
 # --------------------------------------------------------------------- GPU, bf16, graphs
