@@ -25,6 +25,7 @@ import importlib
 import warnings
 from typing import Iterator
 
+import torch
 from torch import nn
 
 from onepass.models.common import FUSED, RECOMPUTED, Patches
@@ -82,6 +83,10 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
         raise ValueError(f"onepass.optimize does not support a model dispatched by accelerate (a device_map that "
                          f"offloads or splits it across devices: hooks on {dispatched[0] or 'the model'} and "
                          f"{len(dispatched) - 1} more modules); load it on one device")
+    doubles = [name for name, p in hf.named_parameters() if p.dtype == torch.float64]
+    if doubles:
+        raise TypeError(f"onepass.optimize: the kernels run float32, float16 and bfloat16; this model has float64 "
+                        f"parameters ({doubles[0]} and {len(doubles) - 1} more): cast it first (model.float())")
     model_type = getattr(hf.config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:

@@ -230,6 +230,14 @@ def test_switches_and_report(device):
         assert status.startswith(("fused", "unfused", "n/a", "off", "on")), status
 
 
+def test_float64_model_is_refused():
+    """The kernels take float32/16/bf16: a float64 model was accepted, then failed in the first forward."""
+    model = tiny.build("llama").double()
+    with pytest.raises(TypeError, match="float64"):
+        onepass.optimize(model)
+    assert not hasattr(model, "_onepass_state")
+
+
 def test_model_dispatched_by_accelerate_is_refused(tmp_path):
     """A device_map that offloads (or splits across GPUs) leaves accelerate's hooks moving weights
     and inputs in the modules' forwards, which optimize replaces: refused with a clear error (the
