@@ -57,6 +57,11 @@ def test_empty_sequence_and_length_past_the_cache(num_splits, device):
     past = ops.decode_attention(q, k, v, torch.tensor([0, 25], dtype=torch.int32, device=device),
                                 num_splits=num_splits)
     assert torch.equal(past, out)
+    # a negative length is taken as 0, by the kernel and by the reference alike (the reference
+    # sliced [:-1] and attended to all but the last position)
+    negative = torch.tensor([-1, 20], dtype=torch.int32, device=device)
+    assert torch.equal(ops.decode_attention(q, k, v, negative, num_splits=num_splits), out)
+    assert torch.equal(reference.decode_attention(q, k, v, negative)[0], torch.zeros_like(out[0]))
 
 
 def test_matches_attention_on_the_cache(device):

@@ -249,7 +249,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     q: [B, H, Tq, D]; k_cache, v_cache: [B, Hk, L_max, D] (``layout="bshd"``: [B, Tq, H, D]
     and [B, L_max, Hk, D]); H a multiple of Hk. ``cache_seqlens`` (int32 [B]) is the valid
     length of each sequence, the new tokens included: they are its last Tq positions,
-    causal among themselves (lengths above L_max are clamped to it). ``num_splits``
+    causal among themselves (lengths are clamped to [0, L_max]; 0: no key, zeros). ``num_splits``
     overrides the split of the cache length (default: enough to fill the GPU twice).
     """
     _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits)

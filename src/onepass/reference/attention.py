@@ -89,11 +89,12 @@ def attention(q, k, v, causal=False, scale=None, window=None, softcap=None, layo
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=None, layout="bhsd"):
     """Reference of ``onepass.ops.decode_attention``: each sequence's Tq new tokens are the
-    last Tq of its ``cache_seqlens[b]`` cached positions, causal among themselves."""
+    last Tq of its ``cache_seqlens[b]`` cached positions (clamped to [0, L_max]), causal among
+    themselves."""
     if layout == "bshd":
         q, k_cache, v_cache = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
     outs = []
-    for b, n in enumerate(cache_seqlens.tolist()):
+    for b, n in enumerate(cache_seqlens.clamp(0, k_cache.shape[2]).tolist()):
         outs.append(attention(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], causal=True,
                               scale=scale, softcap=softcap))
     out = torch.cat(outs, 0)
