@@ -64,6 +64,17 @@ def test_residual_add_layer_norm_dropout():
     assert chain.unfused_bytes > 2 * chain.fused_bytes
 
 
+def test_qk_norm_then_rope_is_not_a_residual_add_norm():
+    """Qwen3 / Gemma 3: a per-head RMSNorm straight into RoPE, whose last add (q cos + rot(q) sin)
+    adds two tensors of the output's size; it was named residual add + RMSNorm (add_rms_norm)."""
+    def fn(x, w, cos, sin):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        return y * cos + torch.cat((-y[..., D // 2:], y[..., :D // 2]), -1) * sin
+
+    (chain,), _ = chains_of(fn, torch.randn(R, D), torch.randn(D), torch.randn(R, D), torch.randn(R, D))
+    assert chain.pattern == "RMSNorm + RoPE" and chain.onepass_op is None
+
+
 def test_residual_stream_read_later_is_written_by_add_rms_norm():
     """h = x + residual feeds the norm and, after a matmul, the next residual add."""
     w = torch.randn(D, D)

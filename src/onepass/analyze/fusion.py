@@ -124,9 +124,13 @@ def _pattern(names: set[str], has_residual_add: bool) -> tuple[str, Optional[str
         return "softmax", "softmax"
     if n & {"native_layer_norm", "native_layer_norm_backward"}:
         return ("residual add + LayerNorm", "add_layer_norm") if has_residual_add else ("LayerNorm", "layer_norm")
-    if {"pow", "mean", "rsqrt"} <= n or n & {"_fused_rms_norm", "_fused_rms_norm_backward"}:
+    rms_norm = {"pow", "mean", "rsqrt"} <= n or n & {"_fused_rms_norm", "_fused_rms_norm_backward"}
+    rope = {"neg", "cat", "mul", "add"} <= n
+    if rms_norm and rope:  # Qwen3's and Gemma 3's q/k norms, then RoPE: its last add is not a residual add
+        return "RMSNorm + RoPE", None
+    if rms_norm:
         return ("residual add + RMSNorm", "add_rms_norm") if has_residual_add else ("RMSNorm", "rms_norm")
-    if {"neg", "cat", "mul", "add"} <= n:
+    if rope:
         return "RoPE", "rope"
     if n & {"silu", "silu_backward"}:
         return "SwiGLU", "swiglu"
