@@ -149,3 +149,13 @@ def test_launch_bound_region_is_flagged():
 def test_bad_gpu_name():
     with pytest.raises(ValueError, match="gpu"):
         analyze(torch.relu, torch.randn(2), gpu="Z80")
+
+
+def test_a_plain_function_has_no_module():
+    _, report = chains_of(lambda x: torch.relu(x) * 2, torch.randn(R, D))
+    assert {op.module for op in report.ops} == {""}  # ModuleTracker's top level was shown as "Global"
+
+
+def test_a_name_is_not_a_model():
+    with pytest.raises(TypeError, match="configs.build"):  # it failed with "'str' object is not callable"
+        analyze("llama-tiny", torch.zeros(1, 4, dtype=torch.long))

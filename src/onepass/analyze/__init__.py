@@ -55,6 +55,10 @@ def analyze(model_or_fn: Union[torch.nn.Module, Callable], *example_inputs, gpu:
         ``trace_dir``; ``variants`` ({"torch.compile": fn, ...}) are timed beside eager.
     quiet: no per-layer progress on stderr (it is shown only on a terminal anyway).
     """
+    if not callable(model_or_fn):
+        hint = (" (a built-in configuration: onepass.models.configs.build(name), or onepass analyze --model "
+                f"{model_or_fn})") if isinstance(model_or_fn, str) else ""
+        raise TypeError(f"analyze takes a model or a function to run, got {type(model_or_fn).__name__}{hint}")
     if mode not in ("forward", "train"):
         raise ValueError(f"mode: expected 'forward' or 'train', got {mode!r}")
     if measure and meta:

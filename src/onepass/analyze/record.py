@@ -388,7 +388,7 @@ def record(fn: Callable, inputs: tuple, *, model: Optional[torch.nn.Module] = No
     root = type(model).__name__ + "." if model is not None else ""
 
     def module_names() -> str:
-        deepest = max(tracker.parents, key=len, default="")
+        deepest = max((p for p in tracker.parents if p != "Global"), key=len, default="")  # (the tracker's top)
         return deepest[len(root):] if deepest.startswith(root) else ""
 
     recorder = Recorder(external, module_names, prefix, progress)
