@@ -148,3 +148,26 @@ def test_same_model_same_report():
     reports = {(meta, len(f.chains), sum(c.saved_bytes for c in f.chains))
                for meta in (True, False) for f in (analyze(model, ids, meta=meta, quiet=True).fusion for _ in range(4))}
     assert len({r[1:] for r in reports}) == 1, reports
+
+
+def test_backward_ops_belong_to_the_module_whose_forward_made_them():
+    """Identical layers get identical backward rows (the module tracker's view during backward
+    held stale modules: ops went to other layers, the embedding's backward to an attention)."""
+    import collections
+
+    import transformers
+
+    from onepass.analyze import analyze
+
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=256, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 256, (1, 16))
+    ops = analyze(model, ids, mode="train", labels=ids, meta=True, quiet=True, use_cache=False).ops
+    backward = [op for op in ops if op.phase == "backward"]
+    per_layer = collections.Counter(".".join(op.module.split(".")[:3]) for op in backward
+                                    if op.module.startswith("model.layers."))
+    assert len(per_layer) == 4 and len(set(per_layer.values())) == 1, per_layer
+    assert [op.module for op in backward if op.name == "aten.embedding_dense_backward"] == ["model.embed_tokens"]
+    attention = [op.module for op in backward if op.kind == "attention"]
+    assert attention == [f"model.layers.{i}.self_attn" for i in (3, 2, 1, 0)]

@@ -342,6 +342,30 @@ class _FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NodeModules(TorchFunctionMode):
+    """In forward, each autograd node a call makes (its outputs' and the untagged ones behind
+    them) tagged with the module running it, for the backward's ops: the module tracker's
+    view during backward held stale modules and put ops in other layers and modules."""
+
+    def __init__(self, module_names: Callable[[], str]):
+        super().__init__()
+        self.module_names = module_names
+        self.modules: dict = {}  # autograd node -> module path (the nodes are held: their ids stay theirs)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            nodes = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+            if nodes:
+                module = self.module_names()
+                while nodes:
+                    node = nodes.pop()
+                    if node is not None and node not in self.modules:
+                        self.modules[node] = module
+                        nodes.extend(n for n, _ in node.next_functions)
+        return out
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if hasattr(value, "to_tuple"):  # transformers ModelOutput
         value = value.to_tuple()
@@ -388,12 +412,17 @@ def record(fn: Callable, inputs: tuple, *, model: Optional[torch.nn.Module] = No
     root = type(model).__name__ + "." if model is not None else ""
 
     def module_names() -> str:
+        if recorder.phase == "backward":  # the module whose forward made the running autograd node
+            name = node_modules.modules.get(torch._C._current_autograd_node())
+            if name is not None:
+                return name
         deepest = max((p for p in tracker.parents if p != "Global"), key=len, default="")  # (the tracker's top)
         return deepest[len(root):] if deepest.startswith(root) else ""
 
     recorder = Recorder(external, module_names, prefix, progress)
+    node_modules = _NodeModules(module_names)
     try:
-        with torch.set_grad_enabled(mode == "train"), tracker, recorder, _FusedAttention(recorder):
+        with torch.set_grad_enabled(mode == "train"), tracker, recorder, _FusedAttention(recorder), node_modules:
             out = fn(*inputs)
             results = [_loss_of(out)] if mode == "train" else _tensors(out)
             if mode == "train":
