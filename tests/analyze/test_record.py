@@ -171,3 +171,18 @@ def test_backward_ops_belong_to_the_module_whose_forward_made_them():
     assert [op.module for op in backward if op.name == "aten.embedding_dense_backward"] == ["model.embed_tokens"]
     attention = [op.module for op in backward if op.kind == "attention"]
     assert attention == [f"model.layers.{i}.self_attn" for i in (3, 2, 1, 0)]
+
+
+def test_an_optimized_model_is_said_to_be_one():
+    """Its recorded ops are not what it runs (the reference on meta/CPU tensors): the report
+    recommended the very ops it runs, so analyze says so."""
+    import transformers
+
+    import onepass
+    from onepass.analyze import analyze
+
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=256, head_dim=16)
+    model = onepass.optimize(transformers.AutoModelForCausalLM.from_config(config))
+    with pytest.warns(UserWarning, match="optimized by onepass"):
+        analyze(model, torch.randint(0, 256, (1, 8)), meta=True, quiet=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 import types
+import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -24,6 +25,7 @@ from onepass.analyze.fusion import Fusion
 from onepass.analyze.gpus import GPU, GPUS, get_gpu
 from onepass.analyze.record import record
 from onepass.analyze.report import Report
+from onepass.patching import _STATE
 
 __all__ = ["analyze", "Report", "GPU", "GPUS"]
 
@@ -65,6 +67,11 @@ def analyze(model_or_fn: Union[torch.nn.Module, Callable], *example_inputs, gpu:
         raise ValueError("measure: needs real CUDA tensors; it cannot run with meta=True")
     spec = get_gpu(gpu)
     model = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
+    if model is not None and any(hasattr(m, _STATE) for m in model.modules()):
+        warnings.warn("analyze: this model is optimized by onepass, and the recorded ops are not what it runs (on "
+                      "meta or CPU tensors its PyTorch reference, on a GPU nothing of its kernels): analyze the model "
+                      "before onepass.optimize, or after onepass.undo; measure=True's profiled side does show its "
+                      "kernels", stacklevel=2)
     inputs, weights = example_inputs, None
     if meta:
         inputs, kwargs = _to_meta(example_inputs), _to_meta(kwargs)
