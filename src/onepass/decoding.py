@@ -267,6 +267,8 @@ class Decoder:
         mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
         if bool(mask.all()):
             return None
+        if not bool(mask.any(1).all()):
+            raise ValueError("attention_mask has a row of zeros: a prompt with no token to start from")
         if not bool(mask[:, -1].all()):
             raise ValueError("attention_mask pads on the right; decoder-only generation needs the padding on "
                              "the left (tokenizer.padding_side = 'left'), every prompt ending at the last column")

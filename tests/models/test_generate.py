@@ -238,6 +238,10 @@ def test_bad_input_raises_clearly():
         decoder.generate(ids, 2, attention_mask=right)
     with pytest.raises(ValueError, match="attention_mask"):
         decoder.generate(ids, 2, attention_mask=right[:, :3])
+    empty = torch.ones_like(ids)
+    empty[1] = 0
+    with pytest.raises(ValueError, match="row of zeros"):  # it was told it padded on the right
+        decoder.generate(ids, 2, attention_mask=empty)
     for bad, match in (({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
                        ({"top_k": 0}, "top_k"), ({"cuda_graph": True}, "cuda_graph"),
                        ({"temperature": None}, "temperature"), ({"top_p": None}, "top_p"),
