@@ -43,6 +43,7 @@ from onepass.ops import activation
 from onepass.ops._launch import (
     autocast_inputs,
     eager_autograd,
+    first_order,
     registered_outputs,
     route,
     tracing,
@@ -277,7 +278,7 @@ def _gated_mlp_backward(ctx, d_out, *_kept):
     needs = ctx.needs_input_grad[:4]
     grads = route(_gated_mlp_bwd, _gated_mlp_bwd_launch, d_out)(d_out, x, gate, up, w_gate, w_up, w_down, ctx.act,
                                                                 *needs)
-    return (*(g if n else None for g, n in zip(grads, needs)), None)
+    return first_order("gated MLP", (*(g if n else None for g, n in zip(grads, needs)), None))
 
 
 _gated_mlp.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)

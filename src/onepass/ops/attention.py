@@ -75,6 +75,7 @@ from onepass.ops._launch import (
     check_scale,
     check_softcap,
     eager_autograd,
+    first_order,
     interpreting,
     is_int,
     launch,
@@ -712,7 +713,7 @@ def _backward(ctx, do, dlse):
     if do is None:  # only the LSE was used
         do = torch.zeros_like(o)
     dq, dk, dv = route(_attention_bwd, _attention_bwd_launch, q)(do, q, k, v, o, lse, dlse, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return first_order("attention", (dq, dk, dv, None, None, None, None, None, None))
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -69,6 +69,7 @@ from onepass.ops._launch import (
     check_float,
     check_same_device,
     check_softcap,
+    first_order,
     flat,
     is_number,
     launch,
@@ -459,7 +460,7 @@ def _backward(ctx, dloss, _dlse, _dpred, _dgrad):
         return (None,) * 10
     consume_forward_grad(ctx)
     (grad,) = ctx.saved_tensors
-    return (scaled_grad(grad, dloss),) + (None,) * 9
+    return first_order("cross_entropy", (scaled_grad(grad, dloss),) + (None,) * 9)
 
 
 _cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -482,7 +483,7 @@ class _InplaceGradCrossEntropy(torch.autograd.Function):
     def backward(ctx, dloss, _dlse, _dpred):
         consume_forward_grad(ctx)
         (grad,) = ctx.saved_tensors
-        return (scaled_grad(grad, dloss),) + (None,) * 8
+        return first_order("cross_entropy", (scaled_grad(grad, dloss),) + (None,) * 8)
 
 
 # ---------------------------------------------------------------- public functions

@@ -51,6 +51,7 @@ from onepass.ops._launch import (
     check_float,
     check_linear,
     check_same_device,
+    first_order,
     flat,
     is_int,
     use_triton,
@@ -212,7 +213,7 @@ def _backward(ctx, dloss, _dlse, _dpred, _ddh, _ddw, _ddb):
         grads = ctx.saved_tensors
     d_hidden, d_weight, d_bias = (scaled_grad(g, dloss) if need and not ctx.recompute else (g if need else None)
                                   for g, need in zip(grads, ctx.needs))
-    return (d_hidden, d_weight, None, d_bias) + (None,) * 13
+    return first_order("linear_cross_entropy", (d_hidden, d_weight, None, d_bias) + (None,) * 13)
 
 
 _lce_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -56,6 +56,7 @@ from onepass.ops._launch import (
     check_same_shape,
     check_vector,
     eager_autograd,
+    first_order,
     is_number,
     launch,
     num_programs_for,
@@ -443,9 +444,9 @@ def _backward(ctx, dy, dh_out, *_statistics):
     dw = dw if weight is not None else None
     db = db if ctx.bias_dtype is not None else None
     if not ctx.has_residual:
-        return d_h, None, dw, db, None, None, None, None, None
+        return first_order("norm", (d_h, None, dw, db, None, None, None, None, None))
     writes_dx = _writes_dx(True, ctx.dropout_p, ctx.x_dtype, h.dtype, ctx.leaves)
-    return dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None
+    return first_order("norm", (dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None))
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -550,7 +551,8 @@ class _NormPassingInput(torch.autograd.Function):
             return dx_out, None, None, None, None
         dx, _, dw, db = route(_norm_bwd, _norm_bwd_launch, dy)(dy, dx_out, x, weight, ctx.bias_dtype, mean, rstd, 0.0,
                                                                 0, ctx.is_rms, x.dtype, False, False)
-        return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None
+        return first_order("norm", (dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None,
+                                    None, None))
 
 
 def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, is_rms: bool

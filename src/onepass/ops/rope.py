@@ -43,6 +43,7 @@ from onepass.ops._launch import (
     check_float,
     check_same_device,
     eager_autograd,
+    first_order,
     launch,
     next_power_of_2,
     route,
@@ -252,7 +253,7 @@ def _backward(ctx, dq_out, dk_out):
     cos, sin, position_ids = ctx.saved_tensors
     dq, dk = route(_rope, _rope_out_of_place, dq_out)(dq_out, dk_out, cos, sin, position_ids, ctx.layout,
                                                       ctx.interleaved, not ctx.backward)
-    return dq, dk, None, None, None, None, None, None
+    return first_order("rope", (dq, dk, None, None, None, None, None, None))
 
 
 _rope.register_autograd(_backward, setup_context=_setup_context)
