@@ -194,6 +194,20 @@ def test_pred_of_all_minus_inf_rows_is_column_0(device):
     assert pred.tolist() == x.argmax(-1).tolist()
 
 
+def test_pred_of_a_row_with_nan_is_its_first_nan(device):
+    """As torch.argmax (NaN counts as the largest): the first NaN, before or after the
+    maximum, in a later block of the row, or beside +inf; other rows unaffected."""
+    x = torch.randn(5, 300, device=device)
+    x[0, 7] = x[0, 200] = float("nan")
+    x[1, 250] = float("nan")
+    x[1, 3] = 50.0
+    x[2, 9] = float("inf")
+    x[2, 120] = float("nan")
+    pred = ops.cross_entropy(x, torch.zeros(5, dtype=torch.long, device=device), reduction="none",
+                             return_pred=True)[2]
+    assert pred.tolist() == x.argmax(-1).tolist() == [7, 250, 120, *x[3:].argmax(-1).tolist()]
+
+
 # --------------------------------------------------------------- gradient buffer
 
 

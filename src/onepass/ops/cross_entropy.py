@@ -124,19 +124,22 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _fold(x, a, ok, m, s, z_sum, arg, softcap, HAS_SOFTCAP: tl.constexpr, WRITE_PRED: tl.constexpr,
+def _fold(x, a, ok, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP: tl.constexpr, WRITE_PRED: tl.constexpr,
           HAS_SMOOTHING: tl.constexpr):
     """Fold the logits x at positions a (where ok; after all earlier ones) into the row's
-    running max m, sum of exp(z - m), sum of z and first position of the maximum."""
+    running max m, sum of exp(z - m), sum of z, first position of the maximum and first
+    position of a NaN (torch.argmax's answer where there is one)."""
     z = tl.where(ok, _capped(x.to(tl.float32), softcap, HAS_SOFTCAP), float("-inf"))
     m_block = tl.max(z, axis=0)
     if WRITE_PRED:
         arg = tl.where(m_block > m, tl.min(tl.where(z == m_block, a, 2**31 - 1), axis=0), arg)
+        is_nan = z != z  # noqa: PLR0124 (the NaN test that runs the same in the interpreter)
+        first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan, a, 2**31 - 1), axis=0))
     m_new = tl.maximum(m, m_block)
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
     if HAS_SMOOTHING:
         z_sum += tl.sum(tl.where(ok, z, 0.0), axis=0)
-    return m_new, s, z_sum, arg
+    return m_new, s, z_sum, arg, first_nan
 
 
 @triton.jit
@@ -189,25 +192,28 @@ def _cross_entropy_fwd_kernel(
     s = tl.zeros((), tl.float32)
     z_sum = tl.zeros((), tl.float32)
     arg = lead + tl.zeros((), tl.int32)  # column 0 (as torch.argmax) when no logit beats the start (all -inf)
+    first_nan = tl.full((), 2**31 - 1, tl.int32)
     x_next = tl.load(x_al + H * ALIGN + cols, mask=H * ALIGN + cols < group_end, other=0.0)
     head_ok = (edge >= lead) & (edge < H * ALIGN) & (edge < lead + n_cols)
     if ALIGN > 1:  # (empty otherwise: no reductions spent on them)
-        m, s, z_sum, arg = _fold(tl.load(x_al + edge, mask=head_ok & reads, other=0.0), edge, head_ok & reads, m, s,
-                                 z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
+        m, s, z_sum, arg, first_nan = _fold(tl.load(x_al + edge, mask=head_ok & reads, other=0.0), edge,
+                                            head_ok & reads, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP,
+                                            WRITE_PRED, HAS_SMOOTHING)
     for start in range(H * ALIGN, group_end, BLOCK_N):
         a = start + cols
         x_block = x_next
         x_next = tl.load(x_al + a + BLOCK_N, mask=a + BLOCK_N < group_end, other=0.0)
-        m, s, z_sum, arg = _fold(x_block, a, a < group_end, m, s, z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED,
-                                 HAS_SMOOTHING)
+        m, s, z_sum, arg, first_nan = _fold(x_block, a, a < group_end, m, s, z_sum, arg, first_nan, softcap,
+                                            HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
     tail = tl.maximum(G, H) * ALIGN + edge
     tail_ok = tail < lead + n_cols
     if ALIGN > 1:
-        m, s, z_sum, arg = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail, tail_ok & reads, m, s,
-                                 z_sum, arg, softcap, HAS_SOFTCAP, WRITE_PRED, HAS_SMOOTHING)
+        m, s, z_sum, arg, first_nan = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail,
+                                            tail_ok & reads, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP,
+                                            WRITE_PRED, HAS_SMOOTHING)
     lse = m + tl.log(s)
     if WRITE_PRED:
-        tl.store(pred_ptr + row, (arg - lead).to(tl.int64))
+        tl.store(pred_ptr + row, (tl.where(first_nan < 2**31 - 1, first_nan, arg) - lead).to(tl.int64))
     z_t = _capped(tl.load(x_row + tl.where(in_range, t, 0)).to(tl.float32), softcap, HAS_SOFTCAP)
     loss = lse - (1.0 - label_smoothing) * z_t
     if HAS_SMOOTHING:
