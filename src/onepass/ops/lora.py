@@ -53,6 +53,7 @@ from onepass.ops._launch import (
     check_probability,
     check_same_device,
     eager_autograd,
+    first_order,
     is_number,
     registered_outputs,
     route,
@@ -157,7 +158,7 @@ def _backward(ctx, dy, *_):
     needs = (n[0], n[1], n[2] and ctx.has_bias, n[3], n[4], n[6] and lora_x is not None)
     grads = route(_lora_bwd, lora_bwd_launch, dy)(dy, x, weight, a, b, t, lora_x, ctx.scaling, *ctx.dtypes, *needs)
     dx, dw, dbias, da, db, dx_a = (g if need else None for g, need in zip(grads, needs))
-    return dx, dw, dbias, da, db, None, dx_a
+    return first_order("lora_linear", (dx, dw, dbias, da, db, None, dx_a))
 
 
 _lora_fwd.register_autograd(_backward, setup_context=_setup_context)
