@@ -214,6 +214,13 @@ def test_bad_input_raises(call, error, words, device):
         call(q, k, v)
 
 
+def test_bfloat16_small(device):
+    """bfloat16 at small sizes: the kernels on a GPU; in Triton's interpreter, whose tl.dot on
+    bfloat16 tiles returns garbage (values of 1e8), the reference."""
+    q, k, v = _qkv((2, 4, 40, 32), (2, 2, 40, 32), torch.bfloat16, device)
+    _check(q, k, v, torch.bfloat16, causal=True)
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 

@@ -36,8 +36,8 @@ def _check_linear(x, weights, biases, dtype, residual=None):
 @pytest.mark.parametrize("rows, n_in, features", [
     ((1,), 64, (48, 16, 16)), ((2, 3), 100, (33, 7)), ((32,), 130, (64,)), ((1, 1), 16, (1, 5, 17)),
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_matches_f_linear(rows, n_in, features, dtype, device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])  # bf16: the reference in the
+def test_matches_f_linear(rows, n_in, features, dtype, device):                     # interpreter (its tl.dot fails)
     x = torch.randn(*rows, n_in, dtype=dtype, device=device)
     weights, biases = _weights(n_in, features, dtype, device)
     _check_linear(x, weights, biases, dtype)

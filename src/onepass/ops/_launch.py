@@ -45,6 +45,13 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and interpreting())
 
 
+def use_triton_dot(x: torch.Tensor) -> bool:
+    """``use_triton`` for the kernels built on ``tl.dot`` (attention, decode_linear), except
+    bfloat16 in Triton's interpreter, whose ``tl.dot`` on bfloat16 tiles returns garbage
+    (Triton 3.6: values of 1e10 for products of order 1): those calls take the reference."""
+    return use_triton(x) and not (x.device.type == "cpu" and x.dtype == torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------- checks
 
 

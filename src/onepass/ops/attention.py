@@ -84,7 +84,7 @@ from onepass.ops._launch import (
     route,
     tracing,
     unit_stride,
-    use_triton,
+    use_triton_dot,
 )
 from onepass.reference.attention import window_bounds
 
@@ -798,7 +798,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     """
     _check(q, k, v, scale, window, softcap, layout, cu_seqlens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not use_triton(q):
+    if not use_triton_dot(q):
         return reference.attention(q, k, v, causal, scale, window, softcap, layout, cu_seqlens, return_lse)
     before, after = window_bounds(causal, window)
     o, lse = route(_attention_fwd, _attention_fwd_launch, q, k, v, autograd=_attention_fwd_eager)(

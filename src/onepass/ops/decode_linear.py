@@ -56,7 +56,7 @@ from onepass.ops._launch import (
     next_power_of_2,
     num_programs_for,
     route,
-    use_triton,
+    use_triton_dot,
 )
 from onepass.ops.activation import GATED_ACTIVATIONS, _act_and_grad
 from onepass.ops.attention import precision_for
@@ -229,7 +229,7 @@ def rows_fit(x: Tensor) -> bool:
 
 
 def _kernel_runs(x: Tensor) -> bool:
-    return use_triton(x) and rows_fit(x)
+    return use_triton_dot(x) and rows_fit(x)
 
 
 def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] | None = None,
