@@ -29,3 +29,11 @@ def test_budgets_come_from_the_benchmark_cases():
     assert fused[("rms_norm", "fwd")] == 2 * 16384 * 4096 * torch.bfloat16.itemsize
     with pytest.raises(KeyError):
         fused[("no_such_op", "fwd")]
+
+
+def test_refused_where_no_kernel_runs(device):
+    """Every op would compare its reference with itself and pass (the library call said ok)."""
+    from onepass import reference_mode
+
+    with reference_mode(), pytest.raises(ValueError, match="nothing would be checked"):
+        selfcheck.run(device)
