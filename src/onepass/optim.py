@@ -1,8 +1,11 @@
 """``onepass.optim.AdamW``: torch.optim.AdamW's update through ``onepass.ops.adamw_step``.
 
-A drop-in for ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``: the same math,
-state (``step``, ``exp_avg``, ``exp_avg_sq``, in each parameter's dtype) and state_dict,
-so a checkpoint of either loads into the other. On a GPU each step is a few launches
+A drop-in for ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)`` (its other keywords
+taken at their defaults, a tensor or numpy learning rate as a number): the same update
+(computed in fp32 and rounded once to each tensor's dtype, so 16-bit tensors may differ from
+torch's by an ulp a step), state (``step``, ``exp_avg``, ``exp_avg_sq``, in each parameter's
+dtype) and state_dict, so a checkpoint of either loads into the other. A step that is refused
+(a bad option or hyperparameter in any group) updates nothing. On a GPU each step is a few launches
 (one per parameter size) at close to the copy bandwidth; see ``onepass.ops.adamw``.
 AMSGrad, ``maximize`` and sparse gradients are not supported.
 """
@@ -14,12 +17,29 @@ import torch
 from onepass.ops.adamw import adamw_step, check_hyperparameters, columns_by
 
 
+# torch.optim.AdamW's keywords this optimizer takes at their defaults only (their other values
+# ask for variants it does not implement, or for torch's own implementations)
+_TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
+                   "differentiable": False}
+
+
+def _scalar(value):
+    """A one-element tensor or a numpy scalar as the float torch's AdamW takes it as; else as given."""
+    if (isinstance(value, torch.Tensor) and value.numel() == 1) or type(value).__module__ == "numpy":
+        return float(value)
+    return value
+
+
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        check_hyperparameters(lr, *betas, eps, weight_decay)
+                 weight_decay: float = 1e-2, **torch_options):
+        for name, value in torch_options.items():
+            if name not in _TORCH_DEFAULTS:
+                raise TypeError(f"AdamW() got an unexpected keyword argument {name!r}")
+            if value != _TORCH_DEFAULTS[name]:
+                raise ValueError(f"onepass.optim.AdamW does not implement {name}={value!r} (only "
+                                 f"{_TORCH_DEFAULTS[name]!r}, torch.optim.AdamW's default)")
+        _check_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()
@@ -28,19 +48,17 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:  # every group checked before any is updated
+            _check_group(group)
+            if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+                raise TypeError("onepass.optim.AdamW does not support sparse gradients")
         for group in self.param_groups:
-            for option in ("amsgrad", "maximize"):
-                if group.get(option):
-                    raise ValueError(f"onepass.optim.AdamW does not implement {option}=True (a state_dict of "
-                                     "torch.optim.AdamW with it was loaded?)")
             # parameters at one step count share a launch; a parameter whose gradient was
             # None at some step (so skipped, as torch does) has a count of its own
             quads = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise TypeError("onepass.optim.AdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
@@ -53,8 +71,21 @@ class AdamW(torch.optim.Optimizer):
                 quads.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
             beta1, beta2 = group["betas"]
             for step, columns in columns_by(lambda quad: int(self.state[quad[0]]["step"]) + 1, quads).items():
-                adamw_step(*columns, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], step=step)
+                adamw_step(*columns, lr=_scalar(group["lr"]), beta1=_scalar(beta1), beta2=_scalar(beta2),
+                           eps=group["eps"], weight_decay=group["weight_decay"], step=step)
                 for p in columns[0]:  # counted once its update ran (a refused step leaves the counts)
                     self.state[p]["step"] += 1
         return loss
+
+
+def _check_group(group: dict) -> None:
+    """A param group's options and hyperparameters (from the constructor, add_param_group or a
+    loaded state_dict) as the update takes them."""
+    for option in ("amsgrad", "maximize"):
+        if group.get(option):
+            raise ValueError(f"onepass.optim.AdamW does not implement {option}=True (a state_dict of "
+                             "torch.optim.AdamW with it was loaded?)")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_hyperparameters(*(_scalar(v) for v in (group["lr"], *betas, group["eps"], group["weight_decay"])))

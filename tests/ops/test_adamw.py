@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,6 +197,34 @@ def test_optimizer_refuses_torch_options_it_does_not_implement(device):
         opt.step()
     with pytest.raises(ValueError, match="beta2"):
         AdamW([p], betas=(0.9, 1.0))
+
+
+def test_a_refused_step_updates_no_group(device):
+    """Every group is checked before any is updated: a bad later group left the first one
+    stepped (and counted), so a retry stepped it twice."""
+    a, b = (torch.zeros(3, device=device, requires_grad=True) for _ in range(2))
+    opt = AdamW([a], lr=0.1)
+    opt.add_param_group({"params": [b], "amsgrad": True})
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+    assert not a.any() and not opt.state[a]
+    opt.param_groups[1]["amsgrad"] = False
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    assert not a.any() and not b.any()
+
+
+def test_constructor_takes_what_torch_adamw_takes(device):
+    p = torch.zeros(3, device=device, requires_grad=True)
+    for lr in (torch.tensor(1e-3), np.float32(1e-3)):  # a tensor or numpy learning rate
+        AdamW([p], lr=lr, amsgrad=False, maximize=False, foreach=None, fused=None, capturable=False,
+              differentiable=False).step()
+    with pytest.raises(ValueError, match="fused=True"):
+        AdamW([p], fused=True)
+    with pytest.raises(TypeError, match="momentum"):
+        AdamW([p], momentum=0.9)
 
 
 @pytest.mark.gpu
