@@ -25,27 +25,38 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.
 
     ``offset=0`` is Llama's RMSNorm (weight initialised to ones); ``offset=1`` is Gemma's,
-    which stores ``scale - 1`` (weight initialised to zeros) and scales in fp32.
+    which stores ``scale - 1`` (weight initialised to zeros) and scales in fp32. ``eps=None``
+    (``torch.nn.RMSNorm``'s default) is the input dtype's machine epsilon.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, *,
+    def __init__(self, hidden_size: int, eps: float | None = 1e-6, offset: float = 0.0, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        init = torch.ones if offset == 0 else torch.zeros
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.eps = eps
         self.offset = offset
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The weight of an identity scale: ones, or zeros with Gemma's offset (as the modules replaced)."""
+        (nn.init.ones_ if self.offset == 0 else nn.init.zeros_)(self.weight)
 
     @classmethod
     def from_hf(cls, module: nn.Module, offset: float = 0.0) -> "RMSNorm":
         """A drop-in sharing ``module.weight`` (eps read from ``variance_epsilon`` or ``eps``)."""
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if eps is None:
+        if not hasattr(module, "variance_epsilon") and not hasattr(module, "eps"):
             raise ValueError(f"{type(module).__name__} has no variance_epsilon or eps attribute")
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            raise ValueError(f"only RMSNorms over the last dim with a weight are supported, got {module}")
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.weight, new.eps, new.offset = module.weight, float(eps), offset
+        new.weight, new.eps, new.offset = weight, None if eps is None else float(eps), offset
         return new
+
+    def _eps(self, x: Tensor) -> float:
+        return torch.finfo(x.dtype).eps if self.eps is None else self.eps
 
     def scale(self) -> Tensor:
         # Gemma adds the offset in fp32 (HF: ``1.0 + weight.float()``); a [hidden] vector, cheap.
@@ -53,12 +64,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
-            return ops.rms_norm(x, self.scale(), self.eps)
-        return ops.add_rms_norm(x, residual, self.scale(), self.eps)
+            return ops.rms_norm(x, self.scale(), self._eps(x))
+        return ops.add_rms_norm(x, residual, self.scale(), self._eps(x))
 
     def passing_input(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(self(x), x)``, x handed on through this norm (see ``ops.norm.norm_passing_input``)."""
-        return norm_passing_input(x, self.scale(), None, self.eps, True)
+        return norm_passing_input(x, self.scale(), None, self._eps(x), True)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, onepass"
@@ -72,8 +83,15 @@ class LayerNorm(nn.Module):
         super().__init__()
         self.normalized_shape = (hidden_size,)
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Ones and zeros, as ``nn.LayerNorm``'s."""
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     @classmethod
     def from_hf(cls, module: nn.LayerNorm) -> "LayerNorm":
