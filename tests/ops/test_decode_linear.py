@@ -43,6 +43,13 @@ def test_matches_f_linear(rows, n_in, features, dtype, device):                 
     _check_linear(x, weights, biases, dtype)
 
 
+def test_weights_as_any_iterable(device):
+    x = torch.randn(2, 64, device=device)
+    weights, _ = _weights(64, (16, 8), torch.float32, device)
+    outs = ops.decode_linear(x, (w for w in weights))  # a generator was read twice: IndexError
+    assert [o.shape[-1] for o in outs] == [16, 8]
+
+
 def test_without_biases_and_with_some(device):
     x = torch.randn(3, 40, device=device)
     weights, biases = _weights(40, (24, 8, 8), torch.float32, device)

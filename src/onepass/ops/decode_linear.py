@@ -243,10 +243,11 @@ def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] 
     add after it), summed in fp32 and rounded once. For at most MAX_ROWS rows of x (a decode
     step); more rows run ``F.linear`` per weight.
     """
-    biases = _check(x, list(weights), biases, residual)
+    weights = list(weights)  # (once: an iterator would be empty the second time)
+    biases = _check(x, weights, biases, residual)
     if not _kernel_runs(x):
         return reference.decode_linear(x, weights, biases, residual)
-    return tuple(route(_decode_linear, _decode_linear_launch, x)(x, list(weights), biases, -1, residual))
+    return tuple(route(_decode_linear, _decode_linear_launch, x)(x, weights, biases, -1, residual))
 
 
 def decode_gated_linear(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str = "silu",
