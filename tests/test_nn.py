@@ -32,3 +32,4 @@ def test_from_torch_rms_norm_with_its_default_eps(device):
     assert_close(drop_in(x), F.rms_norm(x, (16,), ref.weight, None), torch.float32)
     with pytest.raises(ValueError, match="last dim"):  # a norm over two dims failed only in forward
         onn.RMSNorm.from_hf(torch.nn.RMSNorm((5, 16)))
+
