@@ -45,7 +45,10 @@ _STATE = "_onepass_state"  # attribute holding (Patches, report) on an optimized
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    """The transformers model inside a torch.compile and/or PEFT wrapper (or the model itself).
+    Patching a compile wrapper itself left its forward replaced by an eager one (its steps no
+    longer compiled) and the model half-patched (undo and optimize both refused it)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule: dynamo recompiles the patches
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(inner, "config") or not hasattr(inner, "base_model"):
         raise TypeError(f"expected a Hugging Face transformers model, got {type(model).__name__}")
@@ -61,9 +64,13 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     kernel through transformers' registry) and ``loss`` (LM head + cross-entropy without
     materialising logits, when labels are given in training; such a forward also fills no
     KV cache unless called with ``use_cache=True``, runs without a host sync, and gives a
-    weight tied to the input embedding one gradient instead of two summed), and ``lora``
+    weight tied to the input embedding one gradient instead of two summed; its gradient is
+    computed in the forward, so a second backward through one graph, ``retain_graph=True``,
+    is refused: ``loss=False`` allows it), and ``lora``
     (each PEFT LoRA linear as one ``lora_linear`` node: wrap the model with PEFT first).
     What stays unfused, and why, is warned about and listed by ``optimize_report(model)``.
+    A ``torch.compile`` wrapper may be passed too: the model inside it is patched, and dynamo
+    compiles the patched forwards at the next call.
 
     ``recompute`` trades a little compute for memory in training: the outputs of the norms
     that feed projections (q/k/v, gate/up) and the MLP's activation product (down_proj's

@@ -583,6 +583,30 @@ def test_torch_compile_training_step_fullgraph(family, device):
         _assert_close(grads[name], g, f"compiled d {name}")
 
 
+def test_optimize_after_torch_compile(device):
+    """optimize on the torch.compile wrapper patches the model inside it, which dynamo then
+    compiles: the wrapper itself was patched, its training steps ran eagerly (no graph), and
+    undo and optimize both refused it."""
+    ref = tiny.build("llama").to(device)
+    model = copy.deepcopy(ref)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend)
+    assert onepass.optimize(compiled) is compiled
+    model.train(), ref.train()
+    ids = _batch().to(device)
+    loss = compiled(ids, labels=ids).loss
+    assert graphs  # compiled
+    _assert_close(loss, _loss_and_grads(ref, ids)[0], "loss")
+    onepass.undo(compiled)
+    assert "forward" not in vars(model)  # the patched forward gone from the model inside
+    onepass.optimize(compiled)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_mixed_precision_autocast(family, compiled, device):
