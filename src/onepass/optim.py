@@ -5,8 +5,8 @@ taken at their defaults, a tensor or numpy learning rate as a number): the same 
 (computed in fp32 and rounded once to each tensor's dtype, so 16-bit tensors may differ from
 torch's by an ulp a step), state (``step``, ``exp_avg``, ``exp_avg_sq``, in each parameter's
 dtype) and state_dict, so a checkpoint of either loads into the other. A step that is refused
-(a bad option or hyperparameter in any group) updates nothing. On a GPU each step is a few launches
-(one per parameter size) at close to the copy bandwidth; see ``onepass.ops.adamw``.
+(a bad option or hyperparameter in any group) updates nothing. On a GPU each step is a few
+launches (one per parameter size) at close to the copy bandwidth; see ``onepass.ops.adamw``.
 AMSGrad, ``maximize`` and sparse gradients are not supported.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from onepass.ops.adamw import adamw_step, check_hyperparameters, columns_by
-
 
 # torch.optim.AdamW's keywords this optimizer takes at their defaults only (their other values
 # ask for variants it does not implement, or for torch's own implementations)
