@@ -32,11 +32,12 @@ Forward: one program a (batch, head, query block). Online softmax in fp32 with e
 scale folded into log2 e). The key tiles a query block sees split into at most three runs:
 masked tiles before (sliding window), unmasked tiles in the middle, masked tiles at the end
 (diagonal / window / sequence end); only the masked runs evaluate the mask, and tiles no
-query sees are never visited. A run that cannot exist for the call is not compiled at all
-(the leading one without a bound before; the trailing one of the dK/dV kernel, over query
-tiles, where no bound before the diagonal reaches it and the sequences are whole tiles):
-H200, Llama-3.2-1B's attention, dK/dV 363 -> 353 us (ptxas: 408 -> 328 bytes spilled),
-forward 189 -> 184; non-causal at that shape dQ 361 -> 341; outputs bit-identical.
+query sees are never visited. A run that holds no tile for the call is not compiled at all:
+the leading one without a bound on its side, the trailing one without a bound on its side
+when the looped axis is whole tiles (``WHOLE_TILES``: not varlen, a multiple of the tile;
+the dK/dV kernel loops over queries, so there the forward's bounds swap sides). H200,
+Llama-3.2-1B's attention: dK/dV 363 -> 353 us (ptxas: 408 -> 328 bytes spilled), forward
+189 -> 184; non-causal at that shape dQ 361 -> 341; outputs bit-identical.
 
 Program order (every kernel): chunks of heads whose re-read tiles fit in L2; inside a chunk,
 block by block across its heads, the heaviest blocks first (causal: the last query blocks,
