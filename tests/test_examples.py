@@ -9,6 +9,7 @@ EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # numpy's log(0) in the interpreter printed one
 def test_example_runs(script, device, capsys):
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
     out = capsys.readouterr().out

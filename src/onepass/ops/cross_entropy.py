@@ -211,7 +211,8 @@ def _cross_entropy_fwd_kernel(
         m, s, z_sum, arg, first_nan = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail,
                                             tail_ok & reads, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP,
                                             WRITE_PRED, HAS_SMOOTHING)
-    lse = m + tl.log(s)
+    # a row with nothing summed (ignored, not read; or all -inf) gets -inf without a log(0)
+    lse = tl.where(s == 0.0, float("-inf"), m + tl.log(tl.where(s == 0.0, 1.0, s)))
     if WRITE_PRED:
         tl.store(pred_ptr + row, (tl.where(first_nan < 2**31 - 1, first_nan, arg) - lead).to(tl.int64))
     z_t = _capped(tl.load(x_row + tl.where(in_range, t, 0)).to(tl.float32), softcap, HAS_SOFTCAP)
