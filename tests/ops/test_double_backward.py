@@ -65,3 +65,15 @@ def test_reference_path_has_second_derivatives(device):
     (gt,) = torch.autograd.grad((F.rms_norm(xt, (8,), w, 1e-6) ** 2).sum() + (xt ** 3).sum(), xt, create_graph=True)
     (hv_torch,) = torch.autograd.grad((gt * gt).sum(), xt)
     torch.testing.assert_close(hv, hv_torch)
+
+
+def test_refused_backward_changes_nothing(device):
+    """The refusal comes before the backward's work: cross_entropy's gradient, computed in the
+    forward and scaled in place by its backward, is still there for a plain backward after it
+    (it was consumed and scaled first, so the retry failed as 'already used')."""
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    loss = ops.cross_entropy(x, _TARGET.to(device))
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss * 2, x, create_graph=True)
+    loss.backward()
+    torch.testing.assert_close(x.grad, torch.autograd.grad(F.cross_entropy(x, _TARGET.to(device)), x)[0])

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from onepass import ops
 from onepass.models import common, projections
 from onepass.ops import lora as lora_ops
-from onepass.ops._launch import autocast_inputs, first_order, use_triton
+from onepass.ops._launch import autocast_inputs, first_order_only, use_triton
 
 
 def _lora_linear_class() -> type | None:
@@ -135,6 +135,7 @@ class _SharedInputAdapters(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
+        first_order_only("LoRA shared node")
         x, *saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
         dx, grads = None, []
@@ -145,7 +146,7 @@ class _SharedInputAdapters(torch.autograd.Function):
                                           n[1] and has_bias, n[2], n[3], n[4] and x_a is not None, dx_into=dx)
             dx = g[0].view(-1, x.shape[-1]) if needs[0] else None
             grads += [g[1], g[2] if has_bias else None, g[3], g[4], g[5]]
-        return first_order("LoRA shared node", ((dx.view(x.shape) if dx is not None else None), None, *grads))
+        return (dx.view(x.shape) if dx is not None else None), None, *grads
 
 
 def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ...] | None:

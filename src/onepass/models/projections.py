@@ -43,7 +43,7 @@ from onepass.ops import activation
 from onepass.ops._launch import (
     autocast_inputs,
     eager_autograd,
-    first_order,
+    first_order_only,
     registered_outputs,
     route,
     tracing,
@@ -274,11 +274,12 @@ def _gated_mlp_setup_context(ctx, inputs, output):
 def _gated_mlp_backward(ctx, d_out, *_kept):
     if d_out is None:
         return None, None, None, None, None
+    first_order_only("gated MLP")
     x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
     needs = ctx.needs_input_grad[:4]
     grads = route(_gated_mlp_bwd, _gated_mlp_bwd_launch, d_out)(d_out, x, gate, up, w_gate, w_up, w_down, ctx.act,
                                                                 *needs)
-    return first_order("gated MLP", (*(g if n else None for g, n in zip(grads, needs)), None))
+    return (*(g if n else None for g, n in zip(grads, needs)), None)
 
 
 _gated_mlp.register_autograd(_gated_mlp_backward, setup_context=_gated_mlp_setup_context)

@@ -281,18 +281,17 @@ def eager_autograd(launch_fwd, setup_context, backward, returns: int | None = No
     return fn.apply
 
 
-def first_order(op: str, grads: tuple) -> tuple:
-    """A backward's gradients, where autograd does not record the backward itself. The
-    kernels compute them outside autograd: they carry no graph back to the op's inputs, so
-    under ``create_graph=True`` (second derivatives, Hessian-vector products, gradient
-    penalties) a second differentiation would silently leave this op's share out. That
-    call raises here instead (at the first backward: the gradient of a loss's logits is
-    computed in the forward, so no graph could even point at it)."""
+def first_order_only(op: str) -> None:
+    """Called by a backward before its work: refuse a backward that autograd records itself
+    (``create_graph=True``: second derivatives, Hessian-vector products, gradient penalties).
+    The kernels compute the gradients outside autograd, so they carry no graph back to the
+    op's inputs and a second differentiation would silently leave this op's share out. It
+    raises at the first backward (the gradient of a loss's logits is computed in the
+    forward: no graph could even point at it), before any kernel runs or state changes."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         raise RuntimeError(f"onepass {op}: no second derivative (a backward with create_graph=True) through its "
                            "Triton backward; the reference path has one (onepass.reference_mode() or "
                            "ONEPASS_REFERENCE=1)")
-    return grads
 
 
 def tracing(t: torch.Tensor) -> bool:

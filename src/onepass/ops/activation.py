@@ -42,7 +42,7 @@ from onepass.ops._launch import (
     check_same_shape,
     check_vector,
     eager_autograd,
-    first_order,
+    first_order_only,
     launch,
     num_programs_for,
     registered_outputs,
@@ -286,9 +286,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
+    first_order_only("activation")
     x, up, bias = ctx.saved_tensors
     dx, du, db, _ = route(_act_bwd, _act_bwd_launch, x)(dy, x, up, bias, ctx.act, False)
-    return first_order("activation", (dx, (du if up is not None else None), (db if bias is not None else None), None))
+    return dx, (du if up is not None else None), (db if bias is not None else None), None
 
 
 _act_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -76,7 +76,7 @@ from onepass.ops._launch import (
     check_scale,
     check_softcap,
     eager_autograd,
-    first_order,
+    first_order_only,
     interpreting,
     is_int,
     launch,
@@ -710,11 +710,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dlse):
+    first_order_only("attention")
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
     if do is None:  # only the LSE was used
         do = torch.zeros_like(o)
     dq, dk, dv = route(_attention_bwd, _attention_bwd_launch, q)(do, q, k, v, o, lse, dlse, cu_seqlens, *ctx.args)
-    return first_order("attention", (dq, dk, dv, None, None, None, None, None, None))
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)

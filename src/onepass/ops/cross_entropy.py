@@ -69,7 +69,7 @@ from onepass.ops._launch import (
     check_float,
     check_same_device,
     check_softcap,
-    first_order,
+    first_order_only,
     flat,
     is_number,
     launch,
@@ -465,9 +465,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dloss, _dlse, _dpred, _dgrad):
     if dloss is None:  # only lse or pred was used
         return (None,) * 10
+    first_order_only("cross_entropy")
     consume_forward_grad(ctx)
     (grad,) = ctx.saved_tensors
-    return first_order("cross_entropy", (scaled_grad(grad, dloss),) + (None,) * 9)
+    return (scaled_grad(grad, dloss),) + (None,) * 9
 
 
 _cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -488,9 +489,10 @@ class _InplaceGradCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, _dlse, _dpred):
+        first_order_only("cross_entropy")
         consume_forward_grad(ctx)
         (grad,) = ctx.saved_tensors
-        return first_order("cross_entropy", (scaled_grad(grad, dloss),) + (None,) * 8)
+        return (scaled_grad(grad, dloss),) + (None,) * 8
 
 
 # ---------------------------------------------------------------- public functions

@@ -51,7 +51,7 @@ from onepass.ops._launch import (
     check_float,
     check_linear,
     check_same_device,
-    first_order,
+    first_order_only,
     flat,
     is_int,
     use_triton,
@@ -204,6 +204,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dloss, _dlse, _dpred, _ddh, _ddw, _ddb):
     if dloss is None:  # only lse or pred was used
         return (None,) * 17
+    first_order_only("linear_cross_entropy")
     if ctx.recompute:
         hidden, weight, target, bias = ctx.saved_tensors
         grads = _lce_bwd(dloss, hidden, weight, target, bias, *ctx.options, *ctx.needs, ctx.chunk_size,
@@ -213,7 +214,7 @@ def _backward(ctx, dloss, _dlse, _dpred, _ddh, _ddw, _ddb):
         grads = ctx.saved_tensors
     d_hidden, d_weight, d_bias = (scaled_grad(g, dloss) if need and not ctx.recompute else (g if need else None)
                                   for g, need in zip(grads, ctx.needs))
-    return first_order("linear_cross_entropy", (d_hidden, d_weight, None, d_bias) + (None,) * 13)
+    return (d_hidden, d_weight, None, d_bias) + (None,) * 13
 
 
 _lce_fwd.register_autograd(_backward, setup_context=_setup_context)

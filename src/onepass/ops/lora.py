@@ -53,7 +53,7 @@ from onepass.ops._launch import (
     check_probability,
     check_same_device,
     eager_autograd,
-    first_order,
+    first_order_only,
     is_number,
     registered_outputs,
     route,
@@ -153,12 +153,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, *_):
+    first_order_only("lora_linear")
     x, weight, a, b, t, lora_x = ctx.saved_tensors
     n = ctx.needs_input_grad  # x, weight, bias, lora_a, lora_b, scaling, lora_x
     needs = (n[0], n[1], n[2] and ctx.has_bias, n[3], n[4], n[6] and lora_x is not None)
     grads = route(_lora_bwd, lora_bwd_launch, dy)(dy, x, weight, a, b, t, lora_x, ctx.scaling, *ctx.dtypes, *needs)
     dx, dw, dbias, da, db, dx_a = (g if need else None for g, need in zip(grads, needs))
-    return first_order("lora_linear", (dx, dw, dbias, da, db, None, dx_a))
+    return dx, dw, dbias, da, db, None, dx_a
 
 
 _lora_fwd.register_autograd(_backward, setup_context=_setup_context)

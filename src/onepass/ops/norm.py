@@ -56,7 +56,7 @@ from onepass.ops._launch import (
     check_same_shape,
     check_vector,
     eager_autograd,
-    first_order,
+    first_order_only,
     is_number,
     launch,
     num_programs_for,
@@ -435,6 +435,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, dh_out, *_statistics):
+    first_order_only("norm")
     h, weight, mean, rstd = ctx.saved_tensors
     if dy is None:  # only h was used downstream
         dy = torch.zeros_like(h)
@@ -444,9 +445,9 @@ def _backward(ctx, dy, dh_out, *_statistics):
     dw = dw if weight is not None else None
     db = db if ctx.bias_dtype is not None else None
     if not ctx.has_residual:
-        return first_order("norm", (d_h, None, dw, db, None, None, None, None, None))
+        return d_h, None, dw, db, None, None, None, None, None
     writes_dx = _writes_dx(True, ctx.dropout_p, ctx.x_dtype, h.dtype, ctx.leaves)
-    return first_order("norm", (dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None))
+    return dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -549,10 +550,10 @@ class _NormPassingInput(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         if dy is None:  # only the passed-on x was used downstream
             return dx_out, None, None, None, None
+        first_order_only("norm")
         dx, _, dw, db = route(_norm_bwd, _norm_bwd_launch, dy)(dy, dx_out, x, weight, ctx.bias_dtype, mean, rstd, 0.0,
                                                                 0, ctx.is_rms, x.dtype, False, False)
-        return first_order("norm", (dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None,
-                                    None, None))
+        return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None
 
 
 def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, is_rms: bool

@@ -43,7 +43,7 @@ from onepass.ops._launch import (
     check_float,
     check_same_device,
     eager_autograd,
-    first_order,
+    first_order_only,
     launch,
     next_power_of_2,
     route,
@@ -250,10 +250,11 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dq_out, dk_out):
+    first_order_only("rope")
     cos, sin, position_ids = ctx.saved_tensors
     dq, dk = route(_rope, _rope_out_of_place, dq_out)(dq_out, dk_out, cos, sin, position_ids, ctx.layout,
                                                       ctx.interleaved, not ctx.backward)
-    return first_order("rope", (dq, dk, None, None, None, None, None, None))
+    return dq, dk, None, None, None, None, None, None
 
 
 _rope.register_autograd(_backward, setup_context=_setup_context)

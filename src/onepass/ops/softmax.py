@@ -40,7 +40,7 @@ from onepass.ops._launch import (
     cdiv,
     check_float,
     check_same_device,
-    first_order,
+    first_order_only,
     is_int,
     is_number,
     launch,
@@ -286,12 +286,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
+    first_order_only("softmax")
     (y,) = ctx.saved_tensors
     if ctx.mask_shape is None:
-        return first_order("softmax", (_softmax_bwd(dy, y, ctx.scale, ctx.causal), None, None, None))
+        return _softmax_bwd(dy, y, ctx.scale, ctx.causal), None, None, None
     # A trainable additive mask (a learned bias): its gradient is dz, summed over its broadcast dims.
     dz = _softmax_bwd(dy, y, 1.0, ctx.causal)
-    return first_order("softmax", (dz * ctx.scale, dz.sum_to_size(ctx.mask_shape), None, None))
+    return dz * ctx.scale, dz.sum_to_size(ctx.mask_shape), None, None
 
 
 _softmax_fwd.register_autograd(_backward, setup_context=_setup_context)
