@@ -70,8 +70,8 @@ class AdamW(torch.optim.Optimizer):
                 quads.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
             beta1, beta2 = group["betas"]
             for step, columns in columns_by(lambda quad: int(self.state[quad[0]]["step"]) + 1, quads).items():
-                adamw_step(*columns, lr=_scalar(group["lr"]), beta1=_scalar(beta1), beta2=_scalar(beta2),
-                           eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+                adamw_step(*columns, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=step)
                 for p in columns[0]:  # counted once its update ran (a refused step leaves the counts)
                     self.state[p]["step"] += 1
         return loss

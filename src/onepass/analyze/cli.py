@@ -52,21 +52,21 @@ def run(args: argparse.Namespace) -> int:
         print("onepass analyze: --batch, --seq and --top must be positive", file=sys.stderr)
         return 2
     one_file = args.out and os.path.splitext(args.out)[1].lower() in ONE_FILE_SUFFIXES
-    if args.out and not one_file and os.path.exists(args.out) and not os.path.isdir(args.out):
-        print(f"onepass analyze: --out {args.out} is a file, not a folder (or a .json, .md or .html report)",
-              file=sys.stderr)
-        return 2
-    if args.measure and not torch.cuda.is_available():
-        print("onepass analyze: --measure needs a CUDA GPU", file=sys.stderr)
-        return 2
     folder = (os.path.dirname(args.out) or ".") if one_file else args.out
     if args.out:  # checked before the analysis, not after it
+        if not one_file and os.path.exists(folder) and not os.path.isdir(folder):
+            print(f"onepass analyze: --out {args.out} is a file, not a folder (or a .json, .md or .html report)",
+                  file=sys.stderr)
+            return 2
         try:
             os.makedirs(folder, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()
         except OSError as e:
             print(f"onepass analyze: cannot write to --out {args.out}: {e.strerror or e}", file=sys.stderr)
             return 2
+    if args.measure and not torch.cuda.is_available():
+        print("onepass analyze: --measure needs a CUDA GPU", file=sys.stderr)
+        return 2
     device = "cuda" if args.measure else "meta"
     if device == "cuda":
         torch.manual_seed(0)
