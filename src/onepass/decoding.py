@@ -42,7 +42,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from onepass.models.common import DECODE_LENGTHS
+from onepass.models.common import DECODE_LENGTHS, cache_keyword
 from onepass.ops._launch import is_int, is_number
 
 WARMUP_STEPS = 2  # eager steps before the first capture
@@ -195,7 +195,7 @@ class Decoder:
             self._lengths.copy_(self._index + 1)
         setattr(self.cache, DECODE_LENGTHS, None if padded else self._lengths)
         out = self.model(self._next, attention_mask=self._mask if padded else None, position_ids=self._position,
-                         past_key_values=self.cache, use_cache=True)
+                         use_cache=True, **{cache_keyword(): self.cache})
         self._index += 1
         self._position += 1
         self._emit(out.logits[:, -1])
@@ -294,7 +294,7 @@ class Decoder:
         else:
             positions = torch.arange(length, device=input_ids.device).expand(self.batch_size, length)
         out = self.model(input_ids, attention_mask=self._mask if padded else None, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{cache_keyword(): self.cache})
         self._index.fill_(length)
         self._position.copy_(positions[:, -1:] + 1)
         self._emit(out.logits[:, -1])

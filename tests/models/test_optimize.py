@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import onepass
+from onepass.models.common import cache_keyword
 from onepass.testing import TOLERANCE, assert_close, rel_error
 
 import tiny_models as tiny
@@ -114,9 +115,9 @@ def test_training_forward_builds_no_kv_cache_unless_asked(family, device):
     ids = _batch().to(device)
     model.train()
     out = model(ids, labels=ids)
-    assert out.past_key_values is None
+    assert getattr(out, cache_keyword()) is None
     asked = model(ids, labels=ids, use_cache=True)
-    assert asked.past_key_values is not None
+    assert getattr(asked, cache_keyword()) is not None
     torch.testing.assert_close(asked.loss, out.loss)
 
 
@@ -135,7 +136,7 @@ def test_training_forward_never_syncs_on_packed_sequence_check(family, device, m
     ids = _batch().to(device)
     out = model(ids, labels=ids)
     assert calls == []
-    assert out.past_key_values is None
+    assert getattr(out, cache_keyword()) is None
     _assert_close(out.loss, ref(ids, labels=ids).loss, "loss")
 
 
@@ -343,9 +344,28 @@ def test_static_cache_prefill_matches(family, device):
     model.eval(), ref.eval()
     ids = _batch().to(device)
     with torch.no_grad():
-        got = model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=64)).logits
-        want = ref(ids, past_key_values=StaticCache(config=ref.config, max_cache_len=64)).logits
+        got = model(ids, **{cache_keyword(): StaticCache(config=model.config, max_cache_len=64)}).logits
+        want = ref(ids, **{cache_keyword(): StaticCache(config=ref.config, max_cache_len=64)}).logits
     _assert_close(got, want, "logits")
+
+
+def test_cache_found_under_either_keyword(device):
+    """transformers 5.24 renamed the KV cache's keyword to ``cache`` (its forwards still take
+    ``past_key_values``, deprecated): an optimized model's layers find the cache under either
+    name, as HF's do. A prompt into a static cache, then one token that must read it."""
+    from transformers import StaticCache
+
+    model, ref = _pair("llama", device)
+    model.eval(), ref.eval()
+    ids = _batch(batch=1, seq=6).to(device)
+    for name in dict.fromkeys((cache_keyword(), "past_key_values")):
+        caches = {m: StaticCache(config=m.config, max_cache_len=16) for m in (model, ref)}
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for m, cache in caches.items():
+                m(ids[:, :5], **{name: cache})
+            got, want = (m(ids[:, 5:], **{name: cache}).logits for m, cache in caches.items())
+        _assert_close(got, want, f"logits of a step reading the cache passed as {name}")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral"])

@@ -32,6 +32,29 @@ from onepass.ops._launch import use_triton
 FUSED, UNFUSED = "fused", "unfused"
 RECOMPUTED = "on"  # the status of the recompute switch when something is recomputed
 
+# ------------------------------------------------------------------- the KV cache's keyword
+
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+@functools.cache
+def cache_keyword() -> str:
+    """The keyword transformers' forwards take the KV cache by: ``cache`` since transformers
+    5.24 (its own forwards still take ``past_key_values``, deprecated), ``past_key_values``
+    before. Read off the fields of its model outputs, which were renamed with it."""
+    from dataclasses import fields
+
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def pop_cache(kwargs: dict) -> Any:
+    """The KV cache a patched forward was handed, under either keyword (both are removed from
+    ``kwargs``), or None: HF's callers pass ``cache_keyword()``, a user's code may pass the other."""
+    found = [kwargs.pop(name, None) for name in CACHE_KEYWORDS]
+    return next((c for c in found if c is not None), None)
+
 # ---------------------------------------------------------------------------- undo log
 
 
@@ -221,8 +244,7 @@ def layer_forward(fused: Callable, recompute: bool) -> Callable:
         if checkpointing and not checkpoints_in_call:
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
-            if kwargs.get("past_key_values") is not None:
-                kwargs["past_key_values"] = None
+            pop_cache(kwargs)
             return self._gradient_checkpointing_func(functools.partial(fused, self, False, **kwargs), *args)
         return fused(self, recompute and self.training and not checkpointing, *args, **kwargs)
 
@@ -497,8 +519,8 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
     RoPE to q and k (``kv_cache.append_to_cache``), so rope runs no launch of its own."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    def forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, **kwargs):
+    def forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        cache = pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k, v = projections.linears(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
@@ -506,10 +528,10 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        lengths = getattr(past_key_values, DECODE_LENGTHS, None) if past_key_values is not None else None
+        lengths = getattr(cache, DECODE_LENGTHS, None)
         if lengths is not None:
             kwargs["cache_seqlens"] = lengths
-        layer = _static_layer(past_key_values, self.layer_idx, k, v) if lengths is not None else None
+        layer = _static_layer(cache, self.layer_idx, k, v) if lengths is not None else None
         rope_in_append = layer is not None and _whole_head_tables(cos, sin, k)
         if not rope_in_append:
             q, k = rope(q, k, cos, sin)
@@ -518,8 +540,8 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
             tables = (q, cos, sin) if rope_in_append else ()
             rotated = kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v, *tables)
             q, k, v = (rotated if rope_in_append else q), layer.keys, layer.values
-        elif past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        elif cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
         extra = {"softcap": self.attn_logit_softcapping} if passes_softcap else {}
         out, weights = attention(
@@ -696,7 +718,7 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     A head weight tied to the input embedding gets one gradient, the embedding's token rows
     added into the head's (``tied_embedding``), not two [V, H] gradients summed by autograd.
 
-    No KV cache is filled unless asked for (``use_cache=True`` or ``past_key_values``), yet
+    No KV cache is filled unless asked for (``use_cache=True`` or a cache passed), yet
     the base model gets an (unfilled) cache: without one, HF checks the position ids for
     packed sequences, a host sync every forward (so the host cannot queue the step ahead of
     the GPU), and under torch.compile that check builds a full mask instead (the compiled
@@ -721,14 +743,18 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", -100)
-        unfilled = not kwargs.get("use_cache") and kwargs.get("past_key_values") is None
+        cache_name = cache_keyword()
+        cache = pop_cache(kwargs)
+        if cache is not None:
+            kwargs[cache_name] = cache
+        unfilled = not kwargs.get("use_cache") and cache is None
         use_cache = kwargs.get("use_cache")
         use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache  # HF's default
         maybe_packed = not use_cache and kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None
         if unfilled and (maybe_packed or getattr(self.base_model, "gradient_checkpointing", False)):
             kwargs["use_cache"] = False
         elif unfilled:
-            kwargs["past_key_values"] = unfilled_cache(config=self.config)
+            kwargs[cache_name] = unfilled_cache(config=self.config)
         input_ids, head_weight = tied_embedding.tie(self, input_ids, kwargs)
         out = self.base_model(input_ids, **kwargs)
         hidden = out[0]
@@ -742,8 +768,9 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         result = CausalLMOutputWithPast(
-            loss=loss, logits=None, past_key_values=None if unfilled else getattr(out, "past_key_values", None),
-            hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None),
+            loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
+            attentions=getattr(out, "attentions", None),
+            **{cache_name: None if unfilled else getattr(out, cache_name, None)},
         )
         # as HF's tuple, (loss, logits, ...): the logits' place kept (None), the rest as to_tuple gives it
         return (loss, None, *result.to_tuple()[1:]) if return_dict is False else result
