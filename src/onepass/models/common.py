@@ -41,7 +41,8 @@ CACHE_KEYWORDS = ("cache", "past_key_values")
 def cache_keyword() -> str:
     """The keyword transformers' forwards take the KV cache by: ``cache`` since transformers
     5.24 (its own forwards still take ``past_key_values``, deprecated), ``past_key_values``
-    before. Read off the fields of its model outputs, which were renamed with it."""
+    before. Read off the fields of its model outputs, which were renamed with it; torch.compile
+    cannot trace that, so the forwards it may trace read it when they are made."""
     from dataclasses import fields
 
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -728,6 +729,7 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     other) the base model gets no cache, as from HF. Under gradient checkpointing, whose
     layers drop any cache with a warning, the base model runs with ``use_cache=False``."""
     unfilled_cache = _unfilled_cache_type()
+    cache_name = cache_keyword()
 
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
         # (positional arguments: labels may be among them; a head wrapped since optimize, e.g. by a PEFT
@@ -743,7 +745,6 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", -100)
-        cache_name = cache_keyword()
         cache = pop_cache(kwargs)
         if cache is not None:
             kwargs[cache_name] = cache

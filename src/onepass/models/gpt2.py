@@ -25,11 +25,12 @@ _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 def _block(self, recompute: bool, hidden_states: Tensor, cache=None, attention_mask=None,
            encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs) -> Tensor:
-    # (the cache comes second, by position, from GPT2Model; by either keyword from other callers)
-    kwargs[common.cache_keyword()] = cache if cache is not None else common.pop_cache(kwargs)
+    # the cache is second, by position, in GPT2Model's call of a block and in a block's call of its
+    # attention (named past_key_values before transformers 5.24, cache since); other callers name it
+    cache = cache if cache is not None else common.pop_cache(kwargs)
 
     def attend(normed):
-        return self.attn(normed, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+        return self.attn(normed, cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
 
     normed, hidden_states = common.norm_passing_input(self.ln_1, hidden_states)
     attn, _ = common.after_norm(recompute, attend, normed, self.ln_1, hidden_states)
