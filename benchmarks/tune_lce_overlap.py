@@ -32,7 +32,7 @@ TOKENS, HIDDEN, VOCAB, CHUNK = 8192, 2048, 128256, 2048
 
 
 def pipelined(h2, w, t, split: int, side: torch.cuda.Stream):
-    """(loss rows, d_hidden, d_weight) as the op computes them for reduction "mean", the
+    """(loss, d_hidden, d_weight) as the op computes them for reduction "mean", the
     cross-entropy of each of a chunk's ``split`` row pieces on ``side``."""
     n, (vocab, hidden) = t.numel(), w.shape
     dev, main = h2.device, torch.cuda.current_stream()
@@ -62,7 +62,7 @@ def pipelined(h2, w, t, split: int, side: torch.cuda.Stream):
             main.wait_event(ev)
             torch.mm(z[a:b], w, out=d_hidden[start + a:start + b])
         accumulate_mm(d_weight, z.t(), h_c, beta=int(start > 0))
-    return loss_rows, d_hidden, d_weight.to(w.dtype)
+    return loss_rows.mean(), d_hidden, d_weight.to(w.dtype)  # (mean: no target is ignored here)
 
 
 def production(h2, w, t):
