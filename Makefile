@@ -5,10 +5,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0 triton==3.6.0 "numpy<2.3"
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,hf]"
 	touch $@
 
 .PHONY: test run
