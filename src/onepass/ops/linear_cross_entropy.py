@@ -38,7 +38,7 @@ Measured and dropped: the cross-entropy kernel on a second stream, beside the GE
 chunk's logits and dx GEMMs in 2 or 4 row pieces, each piece's loss kernel started as soon
 as its logits are written; the same buffer). cuBLAS's GEMMs here are persistent (one CTA an
 SM), so the two never share the GPU: H100, 8192 x 2048 x 128256, 21.7-22.9 ms against 20.5-21.1
-(benchmarks/tune_lce_overlap.py, results/h100/lce_overlap.log).
+(benchmarks/tune_lce_overlap.py, results/h100-80gb-hbm3/lce_overlap.log).
 """
 
 from __future__ import annotations
