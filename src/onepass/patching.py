@@ -44,6 +44,30 @@ FAMILIES = {
 _STATE = "_onepass_state"  # attribute holding (Patches, report) on an optimized model
 
 
+def untested_transformers() -> str | None:
+    """A warning if the installed transformers is outside the releases that onepass's ``hf``
+    extra names (those tested: optimize replaces layer forwards, and transformers renames what
+    it passes them between minor releases: 5.24's ``cache=``), else None; None too where
+    onepass runs from a source tree without being installed (no metadata to read)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        requires = metadata.requires("onepass") or []
+    except metadata.PackageNotFoundError:
+        return None
+    import transformers
+
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "transformers" and not req.specifier.contains(transformers.__version__, prereleases=True):
+            return (f"transformers {transformers.__version__} is not among the releases onepass was tested with "
+                    f"({req.specifier}): a patched forward may miss what this one passes it; compare the "
+                    "optimized model's outputs with onepass.undo(model)'s, or install onepass[hf]'s range")
+    return None
+
+
 def _hf_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a torch.compile and/or PEFT wrapper (or the model itself).
     Patching a compile wrapper itself left its forward replaced by an eager one (its steps no
@@ -102,6 +126,9 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
                          f"supported: {', '.join(sorted(FAMILIES))}")
     switches = {"norm": norm, "activation": activation, "rope": rope, "attention": attention, "loss": loss,
                 "lora": lora, "recompute": recompute}
+    untested = untested_transformers()
+    if untested:
+        warnings.warn(f"onepass.optimize: {untested}", stacklevel=2)
     patches = Patches()
     try:
         status = importlib.import_module(f"onepass.models.{family}").patch(hf, patches, switches)

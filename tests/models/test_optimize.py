@@ -266,6 +266,25 @@ def test_a_model_on_the_cpu_without_the_interpreter_is_warned_about(monkeypatch)
         onepass.optimize(tiny.build("llama"))
 
 
+def test_a_transformers_release_outside_the_tested_range_is_warned_about(monkeypatch):
+    """The hf extra's range is read from onepass's installed metadata: a release outside it
+    (here: a range that excludes the installed one) is warned about, one inside it is not."""
+    from importlib import metadata
+
+    import transformers
+
+    def requires(ranges):
+        monkeypatch.setattr(metadata, "requires", lambda name: ["numpy", f'transformers{ranges}; extra == "hf"'])
+
+    requires(f"<{transformers.__version__}")
+    with pytest.warns(UserWarning, match=f"transformers {transformers.__version__} is not among the releases"):
+        onepass.optimize(tiny.build("llama"))
+    requires(f">=5,<={transformers.__version__}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert onepass.patching.untested_transformers() is None
+
+
 def test_partly_fused_warns_what_stays_unfused(device, monkeypatch):
     monkeypatch.delattr(onepass.ops, "rope")
     model = tiny.build("llama").to(device)
