@@ -46,7 +46,8 @@ def sweep_ce(copy):
         x.grad = None
         return loss
 
-    defaults = ce.CE_MAX_BLOCK, ce.CE_MAX_WARPS
+    defaults, by_device = (ce.CE_MAX_BLOCK, ce.CE_MAX_WARPS), ce.CE_GRAD_BY_DEVICE
+    ce.CE_GRAD_BY_DEVICE = {}  # the swept setting on every GPU
     for block, warps in ((4096, 8), (8192, 8), (4096, 4), (2048, 4), (8192, 16), (16384, 16), (32768, 32)):
         ce.CE_MAX_BLOCK, ce.CE_MAX_WARPS = block, warps
         loss = ops.cross_entropy(x, t)
@@ -60,7 +61,7 @@ def sweep_ce(copy):
               f"spills={compiled.n_spills:<4} {ms:7.3f} ms (kernels {kernel_ms(step):.3f}) "
               f"{nbytes / ms / 1e6:6.0f} GB/s {nbytes / ms / 1e6 / copy:6.1%} {'ok' if ok else f'WRONG err={err}'}",
               flush=True)
-    ce.CE_MAX_BLOCK, ce.CE_MAX_WARPS = defaults  # (the lce timings below use the defaults)
+    (ce.CE_MAX_BLOCK, ce.CE_MAX_WARPS), ce.CE_GRAD_BY_DEVICE = defaults, by_device  # (lce below: the op's own)
     try:  # last: Liger writes its gradient over the logits
         from liger_kernel.transformers import LigerCrossEntropyLoss
 

@@ -36,3 +36,19 @@ def test_launch_runs_through_the_interpreter_or_gpu(device):
     out = torch.empty_like(x)
     launch(_scaled_copy_kernel, (1,), x, out, 10, 3.0, BLOCK=16)
     torch.testing.assert_close(out, x * 3)
+
+
+def test_device_setting_follows_the_gpu_name(monkeypatch):
+    """A setting measured on one GPU model applies to that model's name only; every other GPU,
+    the CPU and no device take the default (the cross-entropy kernel's H100 setting, here)."""
+    from types import SimpleNamespace
+
+    from onepass.ops import _launch
+    from onepass.ops.cross_entropy import CE_MAX_BLOCK, CE_MAX_WARPS, ce_settings
+
+    cuda = torch.device("cuda", 0)
+    for name, want in (("NVIDIA H100 80GB HBM3", (32768, 32)), ("NVIDIA H200", (CE_MAX_BLOCK, CE_MAX_WARPS))):
+        monkeypatch.setattr(_launch, "_cuda_properties", lambda device, n=name: SimpleNamespace(name=n))
+        assert ce_settings(128256, True, cuda) == want
+        assert ce_settings(128256, False, cuda) == ce_settings(128256, False)  # forward only: one setting
+    assert ce_settings(128256, True, torch.device("cpu")) == ce_settings(128256) == (CE_MAX_BLOCK, CE_MAX_WARPS)

@@ -183,15 +183,29 @@ def next_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _properties(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
+
+
+def _cuda_properties(device: torch.device):
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_programs_for(device: torch.device) -> int:
     """How many programs fill the device when each loops over many rows."""
     if device.type != "cuda":
         return 4  # the interpreter: few programs, big blocks, fewer Python steps
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_properties(device).multi_processor_count
+
+
+def device_setting(device: torch.device | None, by_name: dict, default):
+    """``by_name``'s value for the first key in the GPU's name (e.g. "H100"), else ``default``
+    (also off CUDA): for launch settings whose best value differs between GPUs of one
+    architecture, each measured on the GPU it names."""
+    if device is None or device.type != "cuda":
+        return default
+    name = _cuda_properties(device).name
+    return next((value for part, value in by_name.items() if part in name), default)
 
 
 def row_settings(n_cols: int, values_per_thread: int = 16) -> tuple[int, int]:
