@@ -3,8 +3,9 @@
     python benchmarks/check_ce_settings.py
 
 For each vocabulary (Llama 3's 128256, GPT-2's 50257, whose rows take the kernel's unaligned
-split, and 32000), 8192 rows in bf16: the gradient checked against PyTorch's in fp32, the kernel's
-registers and spills, and the median step time, with ``CE_GRAD_BY_DEVICE`` as shipped and emptied.
+split and with it the default setting, and 32000), 8192 rows in bf16: the gradient checked against
+PyTorch's in fp32, the kernel's registers and spills, and the median step time, with
+``CE_GRAD_BY_DEVICE`` as shipped and emptied.
 """
 
 import importlib
