@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 .PHONY: test run
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto
 
 run: $(VENV)/.installed
 	$(PY) -m onepass.cli run
