@@ -216,6 +216,54 @@ def test_a_refused_step_updates_no_group(device):
     assert not a.any() and not b.any()
 
 
+def test_complex_parameters_in_a_later_group_match_torch_adamw(device):
+    """A complex parameter (real and imaginary parts updated as two reals, as torch does) in the
+    second group: it was refused only after the first group had been stepped and counted."""
+    params = [torch.randn(5, 3, device=device), torch.randn(7, device=device, dtype=torch.complex64),
+              torch.randn(4, device=device, dtype=torch.complex64)]
+    ours = [p.clone().requires_grad_() for p in params]
+    theirs = [p.clone().requires_grad_() for p in params]
+    opt = AdamW([{"params": ours[:1]}, {"params": ours[1:], "lr": 0.05}], lr=0.01)
+    torch_opt = torch.optim.AdamW([{"params": theirs[:1]}, {"params": theirs[1:], "lr": 0.05}], lr=0.01,
+                                  foreach=False)
+    _steps([(ours, opt), (theirs, torch_opt)], 2)
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        assert p.dtype == q.dtype and torch.allclose(p, q, rtol=1e-6, atol=1e-6), f"params[{i}]"
+        assert opt.state[p]["exp_avg"].dtype == p.dtype and opt.state[p]["step"].item() == 2
+
+
+def test_a_parameter_it_cannot_update_refuses_the_step_naming_it(device):
+    """A float8 parameter (adamw_step takes 16-, 32- and 64-bit floats) as the second of the
+    second group: refused by its group and index before the first group is updated."""
+    a = torch.randn(3, device=device, requires_grad=True)
+    b = torch.randn(2, device=device).to(torch.float8_e4m3fn).requires_grad_()
+    opt = AdamW([a], lr=0.1)
+    opt.add_param_group({"params": [torch.randn(2, device=device, requires_grad=True), b]})
+    for p in (a, *opt.param_groups[1]["params"]):
+        p.grad = torch.ones_like(p)
+    before = a.detach().clone()
+    with pytest.raises(TypeError, match=re.escape("param_groups[1]['params'][1] of torch.float8_e4m3fn")):
+        opt.step()
+    assert torch.equal(a, before) and not opt.state
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("exp_avg", torch.zeros(5), "'exp_avg' of param_groups[1]['params'][0] must match it"),
+    ("step", torch.tensor(float("nan")), "'step' of param_groups[1]['params'][0] must be a whole number >= 0"),
+])
+def test_a_bad_state_refuses_the_step_naming_it(key, value, words, device):
+    """A loaded state the update cannot take in the second group: refused by name before any update."""
+    a, b = torch.randn(3, device=device, requires_grad=True), torch.randn(4, device=device, requires_grad=True)
+    opt = AdamW([{"params": [a]}, {"params": [b]}], lr=0.1)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step()
+    opt.state[b][key] = value.to(device) if key != "step" else value
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match=re.escape(words)):
+        opt.step()
+    assert torch.equal(a, before) and opt.state[a]["step"].item() == 1
+
+
 def test_constructor_takes_what_torch_adamw_takes(device):
     p = torch.zeros(3, device=device, requires_grad=True)
     for lr in (torch.tensor(1e-3), np.float32(1e-3)):  # a tensor or numpy learning rate

@@ -36,6 +36,7 @@ from onepass.reference.optim import bias_corrections
 BLOCK = 1024
 NUM_WARPS = 4
 ALIGNMENT = 16  # bytes: the offsets' hint, when every address is a multiple of it
+DTYPES = (*FLOAT_DTYPES, torch.float64)  # the tensors adamw_step updates (float64 by the reference)
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_d
             if t.layout != torch.strided:
                 raise TypeError(f"{name}[{i}] must be a dense tensor (sparse gradients are not supported), "
                                 f"got {t.layout}")
-            if t.dtype not in (*FLOAT_DTYPES, torch.float64):
+            if t.dtype not in DTYPES:
                 raise TypeError(f"{name}[{i}] must be float32, float16, bfloat16 or float64, got {t.dtype}")
             if (t.shape, t.dtype, t.device) != (quad[0].shape, quad[0].dtype, quad[0].device):
                 raise ValueError(f"{name}[{i}] must match params[{i}] ({tuple(quad[0].shape)} {quad[0].dtype} on "
