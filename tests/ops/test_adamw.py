@@ -163,8 +163,11 @@ def _bad(device, **change):
     ({"lr": -1.0}, ValueError, "lr must be >= 0"),
     ({"beta2": 1.0}, ValueError, "beta2 must be in [0, 1)"),
     ({"weight_decay": -0.1}, ValueError, "weight_decay"),
-    ({"step": 0}, ValueError, "step must be >= 1"),
-    ({"step": 1.5}, ValueError, "step must be a whole number"),
+    ({"step": 0}, ValueError, "step must be a finite whole number >= 1"),
+    ({"step": 1.5}, ValueError, "step must be a finite whole number >= 1"),
+    ({"step": float("nan")}, ValueError, "step must be a finite whole number >= 1"),
+    ({"step": float("inf")}, ValueError, "step must be a finite whole number >= 1"),
+    ({"step": None}, TypeError, "step must be a number"),
     ({"lr": float("inf")}, ValueError, "lr must be a finite number"),
 ])
 def test_bad_input_raises(change, error, words, device):

@@ -131,7 +131,7 @@ def check_hyperparameters(lr, beta1, beta2, eps, weight_decay) -> None:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step):
+def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay):
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if len({len(v) for v in lists.values()}) > 1:
         raise ValueError("params, grads, exp_avgs and exp_avg_sqs must be lists of one length, got "
@@ -149,8 +149,18 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_d
                 raise ValueError(f"{name}[{i}] must match params[{i}] ({tuple(quad[0].shape)} {quad[0].dtype} on "
                                  f"{quad[0].device}), got {tuple(t.shape)} {t.dtype} on {t.device}")
     check_hyperparameters(lr, beta1, beta2, eps, weight_decay)
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the count including this step), got {step}")
+
+
+def _step_count(step) -> int:
+    """``step`` as the int the update takes, checked before int() (which fails on NaN or inf
+    without naming it); a one-element tensor or numpy number as its value."""
+    if isinstance(step, Tensor) or type(step).__module__ == "numpy":
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float, torch.SymInt, torch.SymFloat)):
+        raise TypeError(f"step must be a number (the count including this step), got {type(step).__name__}")
+    if not (is_number(step) and step >= 1 and step == int(step)):
+        raise ValueError(f"step must be a finite whole number >= 1 (the count including this step), got {step}")
+    return int(step)
 
 
 @torch.no_grad()
@@ -164,11 +174,9 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     math runs in fp32 and each result is rounded once to its tensor's dtype (float64 tensors
     take the plain PyTorch update, in float64).
     """
-    if int(step) != step:
-        raise ValueError(f"step must be a whole number (the count including this step), got {step}")
-    lr, beta1, beta2, eps, weight_decay, step = (float(lr), float(beta1), float(beta2), float(eps),
-                                                 float(weight_decay), int(step))
-    _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step)
+    step = _step_count(step)
+    lr, beta1, beta2, eps, weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
+    _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay)
     for columns in columns_by(lambda quad: quad[0].device, zip(params, grads, exp_avgs, exp_avg_sqs)).values():
         if use_triton(columns[0][0]):
             _adamw_step(*columns, lr, beta1, beta2, eps, weight_decay, step)
