@@ -204,6 +204,11 @@ def _(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
+    # types first: the checks below read every tensor's device and shape
+    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32:
+        got = cache_seqlens.dtype if isinstance(cache_seqlens, Tensor) else type(cache_seqlens).__name__
+        raise TypeError(f"cache_seqlens must be an int32 torch.Tensor [batch] (the valid length of each sequence), "
+                        f"got {got}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_float(name, t)
         if t.dim() != 4:
@@ -229,9 +234,9 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_split
     if heads // kv_heads * n_tokens > MAX_ROWS:
         raise ValueError(f"q heads per kv head x new tokens must be at most {MAX_ROWS}, got "
                          f"{heads // kv_heads} x {n_tokens}: use attention() for prefill")
-    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32 \
-            or cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens must be an int32 tensor of shape ({batch},) (valid length per sequence)")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have shape ({batch},) (q's batch: the valid length of each sequence), "
+                         f"got {tuple(cache_seqlens.shape)}")
     check_scale(scale)
     check_softcap(softcap)
     if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= 1024):
