@@ -122,6 +122,14 @@ def test_bad_mode():
         record(torch.relu, (torch.randn(2),), mode="backward")
 
 
+@pytest.mark.parametrize("step, returned", [(lambda x: None, "returned None"),
+                                             (lambda x: (x * 2).sum().item(), "returned a float")])
+def test_train_mode_needs_a_loss_tensor(step, returned):
+    """A train step that returns no tensor: an IndexError inside the recorder before."""
+    with pytest.raises(TypeError, match=f"must return a loss tensor .*; it {returned}, with no tensor"):
+        record(step, (torch.randn(3, requires_grad=True),), mode="train", quiet=True)
+
+
 def test_storage_numbers_are_not_reused():
     """A freed storage's number is never given to a new one (its address is: new tensors were
     taken for old ones, read from their writers, and the chains varied from run to run)."""

@@ -376,7 +376,13 @@ def _loss_of(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    first = _tensors(out)[0]
+    tensors = _tensors(out)
+    if not tensors:
+        what = "None" if out is None else f"a {type(out).__name__}"
+        raise TypeError("mode='train' runs the backward of the step's loss: the step must return a loss tensor "
+                        f"(or an output with a .loss tensor, or tensors, the first of them summed); it returned "
+                        f"{what}, with no tensor in it")
+    first = tensors[0]
     return first if first.numel() == 1 else first.float().sum()
 
 
