@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from onepass.models import distributed
 from onepass.models.common import FUSED, RECOMPUTED, Patches
 from onepass.models.lora import patch_lora
 from onepass.ops import _launch
@@ -69,10 +70,11 @@ def untested_transformers() -> str | None:
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a torch.compile and/or PEFT wrapper (or the model itself).
+    """The transformers model inside torch.compile, DDP and/or PEFT wrappers (or the model itself).
     Patching a compile wrapper itself left its forward replaced by an eager one (its steps no
     longer compiled) and the model half-patched (undo and optimize both refused it)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule: dynamo recompiles the patches
+    model = distributed.unwrap(model)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(inner, "config") or not hasattr(inner, "base_model"):
         raise TypeError(f"expected a Hugging Face transformers model, got {type(model).__name__}")
@@ -108,6 +110,11 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     hf = _hf_model(model)
     if hasattr(hf, _STATE):
         raise RuntimeError("this model is already optimized by onepass; call onepass.undo(model) first")
+    shards = distributed.sharded_by(hf)
+    if shards:
+        raise ValueError(f"onepass.optimize: this model's parameters are already sharded by {shards}; optimize the "
+                         "model before sharding it (onepass.optimize(model), then fully_shard): the norms it swaps "
+                         "would be left out of the shards' gathers, and its fused paths read whole parameters")
     dispatched = [name for name, m in hf.named_modules() if hasattr(m, "_hf_hook")]
     if dispatched:
         # accelerate moves weights and inputs in forwards it installs on modules, which the patches replace
@@ -154,9 +161,14 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
 def undo(model: nn.Module) -> nn.Module:
     """Restore a model optimized by ``optimize`` to its original modules and forwards."""
     hf = _hf_model(model)
-    state = hf.__dict__.pop(_STATE, None)
-    if state is None:
+    if _STATE not in hf.__dict__:
         raise RuntimeError("this model was not optimized by onepass")
+    shards = distributed.sharded_by(hf)
+    if shards:
+        raise ValueError(f"onepass.undo: this model was sharded by {shards} after onepass.optimize; the shards "
+                         "gather into the modules optimize put in, so they stay: build the model again to run it "
+                         "without onepass")
+    state = hf.__dict__.pop(_STATE)
     state[0].undo()
     return model
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from onepass import nn as onn
 from onepass import ops
-from onepass.models import projections, tied_embedding
+from onepass.models import distributed, projections, tied_embedding
 from onepass.ops import activation, kv_cache
 from onepass.ops._launch import use_triton
 
@@ -734,7 +734,7 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
         # (positional arguments: labels may be among them; a head wrapped since optimize, e.g. by a PEFT
         # adapter, or with hooks is called as HF calls it)
-        if labels is None or not self.training or args or type(self.lm_head) is not nn.Linear or hooked(self.lm_head):
+        if labels is None or not self.training or args or not _fusable_head(self.lm_head):
             if labels is not None:
                 kwargs["labels"] = labels
             return original(self, input_ids, *args, **kwargs)
@@ -761,10 +761,10 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         hidden = out[0]
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        loss = ops.linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), head_weight, shift_labels.reshape(-1).to(hidden.device),
-            bias=self.lm_head.bias, ignore_index=ignore_index,
-            reduction="mean" if num_items is None else "sum", softcap=softcap, loss_dtype=torch.float32,
+        loss = self.lm_head(  # through the module: an FSDP2 unit gathers its weight
+            hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device), weight=head_weight,
+            ignore_index=ignore_index, reduction="mean" if num_items is None else "sum", softcap=softcap,
+            loss_dtype=torch.float32,
         )
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
@@ -775,6 +775,30 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
         )
         # as HF's tuple, (loss, logits, ...): the logits' place kept (None), the rest as to_tuple gives it
         return (loss, None, *result.to_tuple()[1:]) if return_dict is False else result
+
+    return forward
+
+
+def _fusable_head(head: nn.Module) -> bool:
+    """Whether the LM head runs the fused loss: a plain ``nn.Linear`` without hooks, or one
+    that FSDP2 made a unit of its own with only FSDP's hooks (which gather its weight around
+    the call, whatever the call computes)."""
+    if type(head) is nn.Linear:
+        return not hooked(head)
+    return type(head).__bases__[1:] == (nn.Linear,) and not hooked() and distributed.fsdp_hooks_only(head)
+
+
+def lm_head_forward() -> Callable:
+    """The LM head's forward: ``nn.Linear``'s, or with ``targets`` the fused loss of its logits
+    (``linear_cross_entropy``; ``weight`` stands in for the module's own where a tied input
+    embedding hands it on), so that the loss runs inside the module's call."""
+
+    def forward(self, input: Tensor, targets: Tensor | None = None, *, weight: Tensor | None = None,
+                **loss_kwargs) -> Tensor:
+        if targets is None:
+            return nn.functional.linear(input, self.weight, self.bias)
+        return ops.linear_cross_entropy(input, self.weight if weight is None else weight, targets, bias=self.bias,
+                                        **loss_kwargs)
 
     return forward
 
@@ -798,6 +822,7 @@ def patch_lm_loss(patches: Patches, model: nn.Module, softcap: float | None = No
     if getattr(ops, "linear_cross_entropy", None) is None:
         return f"{UNFUSED}: onepass.ops.linear_cross_entropy is not in this build"
     patches.set_forward(model, causal_lm_forward, _unbound_forward(model), softcap)
+    patches.set_forward(head, lm_head_forward)
     status = f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"
     embed = model.get_input_embeddings()
     if embed is not None and getattr(embed, "weight", None) is head.weight:

@@ -67,17 +67,18 @@ def _fits(embed: nn.Module | None, weight: Tensor) -> bool:
             and not embed.sparse and type(weight.data) is torch.Tensor)
 
 
-def tie(model: nn.Module, input_ids: Tensor | None, kwargs: dict) -> tuple[Tensor | None, Tensor]:
+def tie(model: nn.Module, input_ids: Tensor | None, kwargs: dict) -> tuple[Tensor | None, Tensor | None]:
     """(input ids, LM head weight) for a training forward with labels: where the model's
     input embedding shares the head's weight (and autograd will want its gradient), the
     embeddings are computed here into ``kwargs["inputs_embeds"]`` (so the ids become None)
-    and the head's weight comes from the same node; else both are returned as they are.
+    and the head's weight comes from the same node; else the ids as they are and None (the
+    head reads its own weight in its call, where an FSDP2 unit has gathered it).
     Not in reference mode (``use_triton``), which runs the model as Hugging Face does."""
     weight = model.lm_head.weight
     embed = model.get_input_embeddings()
     if (input_ids is None or kwargs.get("inputs_embeds") is not None or not torch.is_grad_enabled()
             or not weight.requires_grad or not use_triton(input_ids) or not _fits(embed, weight)):
-        return input_ids, weight
+        return input_ids, None
     embeds, head_weight = _TiedEmbedding.apply(weight, input_ids, embed.padding_idx)
     if type(embed) is not nn.Embedding:
         embeds = embeds * embed.embed_scale.to(weight.dtype)
