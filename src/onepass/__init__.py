@@ -8,6 +8,8 @@ Triton's interpreter (on a machine without a GPU) before any kernel is defined.
 
 import importlib
 
+from onepass import hf_attention as _hf_attention
+
 __version__ = "0.1.0"
 
 _LAZY = {"ops": "onepass.ops", "reference": "onepass.reference", "analyze": "onepass.analyze", "optim": "onepass.optim"}
@@ -18,6 +20,8 @@ _LAZY_FUNCTIONS = {
 }
 
 __all__ = ["__version__", *_LAZY, *_LAZY_FUNCTIONS]
+
+_hf_attention.register_when_imported()  # attn_implementation="onepass" in transformers
 
 
 def __getattr__(name):

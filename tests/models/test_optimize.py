@@ -693,15 +693,15 @@ def test_onepass_mask_needs_no_mask_without_padding_even_when_hf_would_build_one
     causally itself; a padding mask or fewer queries than keys still get SDPA's mask."""
     import transformers.masking_utils as masking
 
-    from onepass.models.common import _onepass_mask
+    from onepass.models.attention import onepass_mask
 
     monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
     kw = dict(batch_size=2, q_offset=0, kv_offset=0, mask_function=masking.causal_mask_function)
-    assert _onepass_mask(q_length=6, kv_length=6, **kw) is None
+    assert onepass_mask(q_length=6, kv_length=6, **kw) is None
     padding = torch.ones(2, 6, dtype=torch.bool)
     padding[0, 0] = False
-    assert _onepass_mask(q_length=6, kv_length=6, attention_mask=padding, **kw) is not None
-    assert _onepass_mask(q_length=1, kv_length=6, **kw) is not None
+    assert onepass_mask(q_length=6, kv_length=6, attention_mask=padding, **kw) is not None
+    assert onepass_mask(q_length=1, kv_length=6, **kw) is not None
 
 
 ALL_LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

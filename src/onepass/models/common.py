@@ -25,7 +25,9 @@ from torch import Tensor, nn
 
 from onepass import nn as onn
 from onepass import ops
+from onepass import hf_attention
 from onepass.models import distributed, projections, tied_embedding
+from onepass.models.attention import eager_attention
 from onepass.ops import activation, kv_cache
 from onepass.ops._launch import use_triton
 
@@ -543,7 +545,7 @@ def rotary_attention_forward(rope: Callable, passes_softcap: bool) -> Callable:
             q, k, v = (rotated if rope_in_append else q), layer.keys, layer.values
         elif cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
         extra = {"softcap": self.attn_logit_softcapping} if passes_softcap else {}
         out, weights = attention(
             self, q, k, v, attention_mask,
@@ -593,100 +595,10 @@ def patch_rotary_attention(patches: Patches, layers, passes_softcap: bool = Fals
 
 
 # ------------------------------------------------------------ attention (registry)
-
-
-def _eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                     **kwargs):
-    """HF's eager attention (Gemma 2's, which knows softcap); masks here are boolean (sdpa style)."""
-    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
-
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
-    return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                   softcap=softcap)
-
-
-def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                      sliding_window=None, softcap=None, cache_seqlens=None, **kwargs):
-    """transformers attention function "onepass": [batch, heads, seq, dim] in, [batch, seq, heads, dim] out.
-
-    The onepass kernel covers training and prefill (no explicit mask: causal, sliding window
-    and softcap are built in). A decode step of ``onepass.Decoder`` (``cache_seqlens``: key
-    and value are the whole static cache, each row valid up to its length) runs
-    ``decode_attention``. A padding mask, attention dropout or another decode step (fewer
-    queries than keys) goes to PyTorch's SDPA, or to the eager path when softcap is set, with
-    the causal and sliding-window mask spelled out where HF handed none. ``output_attentions``
-    takes the eager path too: the only one that returns the attention weights (HF's SDPA
-    returns none, with a warning; the fused kernels never form them).
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    weights = kwargs.get("output_attentions", False)
-    fused = dropout == 0.0 and not weights
-    if cache_seqlens is not None and sliding_window is None and fused:
-        out = ops.decode_attention(query, key, value, cache_seqlens, scale=scaling, softcap=softcap)
-        return out.transpose(1, 2), None
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is None and fused and query.shape[2] == key.shape[2]:
-        # HF's [b, h, s, d] are transposed views of the projections' [b, s, h, d]: hand the
-        # kernel that layout, and its [b, s, h, d] output is what HF expects back.
-        out = ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                            scale=scaling, window=sliding_window, softcap=softcap, layout="bshd")
-        return out, None
-    if attention_mask is None and (causal or sliding_window is not None):
-        # no mask from HF (it skipped one SDPA's is_causal covers) or from _onepass_mask (the
-        # kernel masks itself): the fallbacks get the mask spelled out, the window included
-        attention_mask, is_causal = _visible(query, key, causal and query.shape[2] > 1, sliding_window), False
-    if softcap is not None or weights:
-        return _eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                softcap=softcap)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
-
-
-def _visible(query: Tensor, key: Tensor, causal: bool, sliding_window: int | None) -> Tensor:
-    """Boolean [1, 1, q, kv] mask (True: attend) of what HF leaves to SDPA's is_causal when it hands
-    no mask (query i sees keys up to i; the caller passes ``causal`` False for one query,
-    which sees every key, as HF's SDPA call does), and a sliding window of the query and the
-    ``sliding_window - 1`` keys before it."""
-    i = torch.arange(query.shape[2], device=query.device)[:, None]
-    j = torch.arange(key.shape[2], device=query.device)[None, :]
-    ok = j <= i if causal else torch.ones_like(j, dtype=torch.bool)
-    if sliding_window is not None:
-        ok = ok & (j > i - sliding_window)
-    return ok.expand(1, 1, query.shape[2], key.shape[2])  # [batch, heads, q, kv], as HF's masks
-
-
-def _onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=None, allow_is_causal_skip=True,
-                  **kwargs):
-    """SDPA's boolean masks, except where the onepass kernel needs none: as many queries as
-    keys with no padding mask (plain causal, or a sliding window, which the kernel applies
-    itself). HF's own test for that skip is off while torch.compile traces (before torch
-    2.14), which would send every compiled step to SDPA with a materialised mask; this one
-    reads no tensor values, so it holds under compile too."""
-    from transformers.masking_utils import sdpa_mask
-
-    if q_length == kv_length:
-        if attention_mask is None and allow_is_causal_skip and not args:
-            return None
-        local_size = None
-    return sdpa_mask(*args, q_length=q_length, kv_length=kv_length, local_size=local_size,
-                     attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-
-
-def register_attention() -> None:
-    """"onepass" as a transformers attention implementation, with its mask function."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register("onepass", onepass_attention)
-    AttentionMaskInterface.register("onepass", _onepass_mask)
-
-
 def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
     if getattr(ops, "attention", None) is None:
         return f"{UNFUSED}: onepass.ops.attention is not in this build"
-    patches.on_load(register_attention)
+    patches.on_load(hf_attention.register)
     previous = model.config._attn_implementation
     model.set_attn_implementation("onepass")
     patches.on_undo(model, "set_attn_implementation", previous)
