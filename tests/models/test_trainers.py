@@ -262,11 +262,6 @@ def test_the_example_trains_with_sft_trainer_and_accelerate(way, monkeypatch, ca
     assert len(losses) == 2 and all(0 < x < 10 for x in losses), last
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "causal_lm_forward takes its fused path whenever labels come in training, so a forward that another library "
-    "installed before optimize (TRL's add_fused_lm_head: SFTTrainer built before optimize) loses the keywords "
-    "only it knows (fused_lm_head=True): they reach the base model's **kwargs unread, and TRL gets a "
-    "CausalLMOutputWithPast without log_probs (AttributeError)"))
 def test_a_forward_wrapped_before_optimize_keeps_its_own_keywords():
     import types
 

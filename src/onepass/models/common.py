@@ -623,7 +623,20 @@ def _unfilled_cache_type() -> type:
     return UnfilledCache
 
 
-def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
+def _fused_keywords(model_class: type) -> frozenset[str]:
+    """The keywords the fused path takes: those the class's own forward names, transformers'
+    attention and loss keywords (``TransformersKwargs``) and the loss's own. Any other belongs
+    to a forward another library set on the instance before ``optimize`` (TRL's SFTTrainer
+    passes ``fused_lm_head=True`` to the head it put there), which then runs as it is."""
+    from transformers.utils.generic import TransformersKwargs
+
+    named = [name for name, p in inspect.signature(model_class.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return frozenset((*named, *TransformersKwargs.__annotations__, *CACHE_KEYWORDS, "return_dict", "shift_labels",
+                      "ignore_index"))
+
+
+def causal_lm_forward(original: Callable, softcap: float | None, fused_keywords: frozenset[str]) -> Callable:
     """With labels in training: the base model, then the LM head and the shifted
     cross-entropy in one ``linear_cross_entropy`` (logits never materialised; the output's
     ``logits`` is None). Otherwise (inference, generate, no labels) the original forward
@@ -645,8 +658,9 @@ def causal_lm_forward(original: Callable, softcap: float | None) -> Callable:
 
     def forward(self, input_ids=None, *args, labels=None, **kwargs):
         # (positional arguments: labels may be among them; a head wrapped since optimize, e.g. by a PEFT
-        # adapter, or with hooks is called as HF calls it)
-        if labels is None or not self.training or args or not _fusable_head(self.lm_head):
+        # adapter, or with hooks is called as HF calls it; so is a keyword of another forward, see _fused_keywords)
+        if (labels is None or not self.training or args or not fused_keywords.issuperset(kwargs)
+                or not _fusable_head(self.lm_head)):
             if labels is not None:
                 kwargs["labels"] = labels
             return original(self, input_ids, *args, **kwargs)
@@ -733,7 +747,7 @@ def patch_lm_loss(patches: Patches, model: nn.Module, softcap: float | None = No
         return f"{UNFUSED}: lm_head is a {type(head).__name__}, not a plain nn.Linear"
     if getattr(ops, "linear_cross_entropy", None) is None:
         return f"{UNFUSED}: onepass.ops.linear_cross_entropy is not in this build"
-    patches.set_forward(model, causal_lm_forward, _unbound_forward(model), softcap)
+    patches.set_forward(model, causal_lm_forward, _unbound_forward(model), softcap, _fused_keywords(type(model)))
     patches.set_forward(head, lm_head_forward)
     status = f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"
     embed = model.get_input_embeddings()
