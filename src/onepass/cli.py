@@ -3,7 +3,7 @@
     onepass run                 the main job: the benchmark suite on a GPU; without one,
                                 every op's self-check through Triton's interpreter
     onepass bench ops [...]     the op benchmarks (GPU)
-    onepass bench train [...]   a whole training step of a built-in model (GPU)
+    onepass bench train [...]   a whole training step of a built-in model (GPU; --gpus N: FSDP2)
     onepass bench generate [...] generation with a built-in model: HF against onepass (GPU)
     onepass selfcheck           every op against its float64 reference, and its byte budget
     onepass analyze [...]       where a model's HBM bytes and launches go (no GPU needed)
@@ -62,11 +62,35 @@ def _bench_ops(args) -> int:
 
 
 def _bench_train(args) -> int:
-    if _no_gpu("bench train"):
-        return 2
-    from onepass.bench.train import run
+    variants = tuple(args.variants.split(",")) if args.variants else None
+    if args.gpus == 1 and not args.max_seq:
+        extra = [flag for flag, on in (("--variants", variants), ("--checkpoint", args.checkpoint),
+                                       ("--head-unit", args.head_unit), ("--rounds", args.rounds)) if on]
+        if extra:
+            print(f"onepass bench train: {extra[0]} is for the distributed mode (--gpus N > 1 or --max-seq)",
+                  file=sys.stderr)
+            return 2
+        if _no_gpu("bench train"):
+            return 2
+        from onepass.bench.train import run
 
-    run(args.model, args.batch, args.seq, args.out, lora_rank=args.lora)
+        run(args.model or "llama-1b", args.batch or 4, args.seq or 2048, args.out, lora_rank=args.lora)
+        return 0
+    if args.lora:
+        print("onepass bench train: --lora runs on one GPU (without --gpus or --max-seq)", file=sys.stderr)
+        return 2
+    from onepass.bench.train_distributed import ROUNDS, run_distributed, run_max_seq
+
+    try:
+        if args.max_seq:
+            run_max_seq(args.model or "llama-3b", args.gpus, variants, (args.checkpoint,), args.out,
+                        start=args.seq or 4096)
+        else:
+            run_distributed(args.model or "llama-3b", args.gpus, args.batch or 2, args.seq or 2048, variants, args.out,
+                            checkpoint=args.checkpoint, head_unit=args.head_unit, rounds=args.rounds or ROUNDS)
+    except ValueError as e:  # a bad --model/--variants/--gpus for this machine, said before anything runs
+        print(f"onepass bench train: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -127,11 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_ops.set_defaults(fn=_bench_ops)
     bench_train = bench.add_parser("train", help="a whole training step: eager, torch.compile, Liger, onepass (GPU)")
-    bench_train.add_argument("--model", default="llama-1b", choices=models, help="a built-in model configuration")
-    bench_train.add_argument("--batch", type=_at_least(1), default=4)
-    bench_train.add_argument("--seq", type=_at_least(2), default=2048)
+    bench_train.add_argument("--model", choices=models, help="a built-in model configuration (default llama-1b; "
+                                                             "llama-3b with --gpus or --max-seq)")
+    bench_train.add_argument("--batch", type=_at_least(1), help="sequences a step (a GPU); default 4 (2 with --gpus)")
+    bench_train.add_argument("--seq", type=_at_least(2), help="tokens a sequence, default 2048; with --max-seq the "
+                                                              "length the search starts from, default 4096")
     bench_train.add_argument("--lora", type=_at_least(0), default=0, metavar="R",
                              help="LoRA fine-tuning: PEFT rank-R adapters on every projection, base frozen")
+    bench_train.add_argument("--variants", help="with --gpus or --max-seq: comma-separated variants (default "
+                                                "all; with --max-seq liger,onepass)")
+    bench_train.add_argument("--gpus", type=_at_least(1), default=1,
+                             help="N > 1: FSDP2 over N GPUs of this host, one torchrun process per GPU "
+                                  "(without a GPU: CPU processes over gloo, -tiny models, a smoke test)")
+    bench_train.add_argument("--max-seq", action="store_true",
+                             help="the longest sequence that trains at batch 1 (Liger and onepass by default)")
+    bench_train.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every layer")
+    bench_train.add_argument("--head-unit", action="store_true", help="the (untied) LM head an FSDP unit of its own")
+    bench_train.add_argument("--rounds", type=_at_least(1), help="rounds over the variants (default 2)")
     bench_train.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_train.set_defaults(fn=_bench_train)
     bench_generate = bench.add_parser("generate", help="greedy generation: HF generate against onepass (GPU)")

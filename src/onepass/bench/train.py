@@ -97,9 +97,9 @@ class Result:
     round_step_ms: list[float] | None = None  # each round's median (step_ms is their mean)
 
 
-def _combine(rounds: list[Result]) -> Result:
+def combine_rounds(rounds: list[Result]) -> Result:
     """One variant's rounds as one row: the means of the rounds' medians and readings, the
-    highest peak; a failed round fails the row."""
+    highest peak (None where none was read: a CPU run); a failed round fails the row."""
     failed = next((r for r in rounds if r.error), None)
     if failed:
         return failed
@@ -112,7 +112,8 @@ def _combine(rounds: list[Result]) -> Result:
     step = mean("step_ms")
     tokens = first.tokens_per_s * first.step_ms / 1e3  # a step's tokens
     return Result(first.variant, tokens_per_s=tokens / (step / 1e3), step_ms=step,
-                  peak_gib=max(r.peak_gib for r in rounds), loss=rounds[-1].loss, note=first.note,
+                  peak_gib=max((r.peak_gib for r in rounds if r.peak_gib is not None), default=None),
+                  loss=rounds[-1].loss, note=first.note,
                   sm_mhz=mean("sm_mhz"), watts=mean("watts"), synced_step_ms=mean("synced_step_ms"),
                   round_step_ms=[r.step_ms for r in rounds])
 
@@ -120,7 +121,7 @@ def _combine(rounds: list[Result]) -> Result:
 # -------------------------------------------------------------------- the GPU's state
 
 
-def _heat(seconds: float) -> None:
+def heat(seconds: float) -> None:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     end = torch.cuda.Event()
     start = time.monotonic()
@@ -131,7 +132,7 @@ def _heat(seconds: float) -> None:
         end.synchronize()
 
 
-def _sample_gpu() -> Callable[[], tuple[float | None, float | None]]:
+def sample_gpu() -> Callable[[], tuple[float | None, float | None]]:
     """Start reading the current GPU's SM clock (MHz) and power (W) from nvidia-smi every
     0.2 s in a thread; the returned ``stop()`` gives their medians (None without nvidia-smi)."""
     index = torch.cuda.current_device()
@@ -202,7 +203,7 @@ def step_floor(model: torch.nn.Module, batch: int, seq: int) -> tuple[float, flo
 # ------------------------------------------------------------------------- variants
 
 
-def _liger_patch() -> Callable | None:
+def liger_patch() -> Callable | None:
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError:
@@ -219,13 +220,23 @@ def _prepare(variant: str, model: torch.nn.Module):
     if variant == "torch.compile":
         return torch.compile(model)
     if variant == "liger":
-        patch = _liger_patch()
+        patch = liger_patch()
         if patch is None:
             raise ImportError("liger_kernel is not importable here")
         patch(model=model.get_base_model() if hasattr(model, "get_base_model") else model)
         return model
     onepass.optimize(model, **ONEPASS_SWITCHES[variant])
     return torch.compile(model) if variant == "onepass+torch.compile" else model
+
+
+def onepass_note(model: torch.nn.Module) -> str:
+    """What ``onepass.optimize`` left unfused or off in ``model``, for a row's note."""
+    import onepass
+
+    kinds = {name: line.split(":")[0] for name, line in onepass.optimize_report(model).items()}
+    notes = [f"{kind}: " + ", ".join(name for name, k in kinds.items() if k == kind)
+             for kind in ("unfused", "off") if kind in kinds.values()]
+    return "; ".join(notes) or "all switches on"
 
 
 def _optimizer(variant: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -291,7 +302,7 @@ def _measure(variant: str, model: str, batch: int, seq: int, lora_rank: int) -> 
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        stop_sampling = _sample_gpu()
+        stop_sampling = sample_gpu()
         result.step_ms = statistics.median(_step_times(step, synced=False))
         result.synced_step_ms = statistics.median(_step_times(step, synced=True))
         result.sm_mhz, result.watts = stop_sampling()
@@ -300,13 +311,7 @@ def _measure(variant: str, model: str, batch: int, seq: int, lora_rank: int) -> 
         result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
         result.loss = loss.item()
         if variant.startswith("onepass"):
-            import onepass
-
-            report = onepass.optimize_report(net)
-            kinds = {name: line.split(":")[0] for name, line in report.items()}
-            notes = [f"{kind}: " + ", ".join(name for name, k in kinds.items() if k == kind)
-                     for kind in ("unfused", "off") if kind in kinds.values()]
-            result.note = "; ".join(notes) or "all switches on"
+            result.note = onepass_note(net)
     except Exception as e:  # one variant failing (out of memory, no Liger) is reported, not fatal
         result.error = f"{type(e).__name__}: {e}"[:300]
     return result
@@ -361,13 +366,13 @@ def run(model: str = "llama-1b", batch: int = 4, seq: int = 2048, out_dir: str |
         f"({flops / 1e12:.1f} TFLOP, {bytes_ / 2**30:.1f} GiB memory-bound)")
 
     log(f"heating the GPU for {HEAT_S:.0f} s ...")
-    _heat(HEAT_S)
+    heat(HEAT_S)
     rounds: dict[str, list[Result]] = {variant: [] for variant in variants}
     for i in range(ROUNDS):
         log(f"round {i + 1} of {ROUNDS}")
         for variant in variants if i % 2 == 0 else variants[::-1]:
             rounds[variant].append(_measure_apart(variant, model, batch, seq, lora_rank, log))
-    results = [_combine(rounds[variant]) for variant in variants]
+    results = [combine_rounds(rounds[variant]) for variant in variants]
     for r in results:
         if r.tokens_per_s:
             r.frac_floor = r.tokens_per_s / floor_tps

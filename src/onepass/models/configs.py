@@ -6,8 +6,13 @@ billion-parameter model costs nothing) or on the CPU/GPU with randomly initialis
 
     llama-1b        Llama-3.2-1B-shaped: hidden 2048, 16 layers, 32 query / 8 key-value
                     heads, intermediate 8192, vocab 128256, tied embeddings, rope_theta 5e5
+    llama-3b        Llama-3.2-3B-shaped: hidden 3072, 28 layers, 24 / 8 heads of 128,
+                    intermediate 8192, vocab 128256, tied embeddings
+    llama-8b        Llama-3.1-8B-shaped: hidden 4096, 32 layers, 32 / 8 heads of 128,
+                    intermediate 14336, vocab 128256, untied LM head
     gpt2            GPT-2 small: 768 hidden, 12 layers, 12 heads, vocab 50257
     llama-tiny      the Llama layout at toy size (tests, quick CPU runs)
+    llama-tiny-untied  the same with its own LM head (llama-8b's layout)
     gpt2-tiny       the GPT-2 layout at toy size
 """
 
@@ -38,11 +43,17 @@ def _gpt2(**overrides):
     return GPT2Config(**settings)
 
 
+_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             vocab_size=256, head_dim=16, max_position_embeddings=256)
+
 CONFIGS: dict[str, Callable[[], object]] = {
     "llama-1b": _llama,
+    "llama-3b": lambda: _llama(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128),
+    "llama-8b": lambda: _llama(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=128,
+                               intermediate_size=14336, tie_word_embeddings=False),
     "gpt2": _gpt2,
-    "llama-tiny": lambda: _llama(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 intermediate_size=128, vocab_size=256, head_dim=16, max_position_embeddings=256),
+    "llama-tiny": lambda: _llama(**_TINY),
+    "llama-tiny-untied": lambda: _llama(**_TINY, tie_word_embeddings=False),
     "gpt2-tiny": lambda: _gpt2(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
                                bos_token_id=255, eos_token_id=255),
 }
