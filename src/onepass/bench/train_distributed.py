@@ -202,8 +202,12 @@ def _train(spec: dict, device: torch.device) -> DistResult:
     result.tokens_per_s = spec["batch"] * spec["seq"] / (result.step_ms / 1e3)
     if cuda:
         result.peak_gib, result.reserved_gib = peak / 2**30, reserved / 2**30
-    if variant.startswith("onepass"):
-        result.note = onepass_note(model)
+    notes = [onepass_note(model)] if variant.startswith("onepass") else []
+    if variant.endswith("torch.compile"):  # dynamo stops compiling a code object after its recompile limit
+        from torch._dynamo.utils import counters
+
+        notes.append(f"dynamo graphs: {counters['stats']['unique_graphs']} for {len(model.model.layers)} layers")
+    result.note = "; ".join(notes) or None
     return result
 
 
