@@ -37,15 +37,15 @@ def test_train_markdown_rows_carry_the_gpu_clock_and_the_synced_step():
 
 
 def test_train_rounds_combine_into_one_row():
-    from onepass.bench.train import Result, _combine
+    from onepass.bench.train import Result, combine_rounds
 
     a = Result("onepass", 8192 / 0.120, 120.0, 14.8, loss=2.0, sm_mhz=1600.0, watts=690.0, synced_step_ms=125.0)
     b = Result("onepass", 8192 / 0.124, 124.0, 14.9, loss=1.9, sm_mhz=1560.0, watts=692.0, synced_step_ms=127.0)
-    row = _combine([a, b])
+    row = combine_rounds([a, b])
     assert row.step_ms == 122.0 and row.round_step_ms == [120.0, 124.0]
     assert abs(row.tokens_per_s - 8192 / 0.122) < 1e-6
     assert (row.peak_gib, row.loss, row.sm_mhz, row.watts, row.synced_step_ms) == (14.9, 1.9, 1580.0, 691.0, 126.0)
-    assert _combine([a, Result("onepass", error="OutOfMemoryError: x")]).error == "OutOfMemoryError: x"
+    assert combine_rounds([a, Result("onepass", error="OutOfMemoryError: x")]).error == "OutOfMemoryError: x"
 
 
 def test_each_train_variant_is_measured_in_a_process_of_its_own(monkeypatch):
@@ -59,7 +59,7 @@ def test_each_train_variant_is_measured_in_a_process_of_its_own(monkeypatch):
     row = _measure_apart("eager", "no-such-model", 1, 8, 0, lines.append)
     assert row.variant == "eager" and row.tokens_per_s is None
     assert row.error == ("ValueError: model: unknown name 'no-such-model'; expected one of ['gpt2', 'gpt2-tiny', "
-                         "'llama-1b', 'llama-tiny']")
+                         "'llama-1b', 'llama-3b', 'llama-8b', 'llama-tiny', 'llama-tiny-untied']")
     assert lines == [f"  eager                  failed: {row.error}"]
     monkeypatch.setattr(sys, "executable", "false")  # a process that prints nothing and exits 1
     assert _measure_apart("eager", "llama-tiny", 1, 8, 0, lines.append).error == (
