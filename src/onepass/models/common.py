@@ -481,14 +481,25 @@ def gated_mlp_forward(act: int, recompute: bool) -> Callable:
     return forward
 
 
+def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)``; a module running a onepass forward, with no hooks to honour,
+    runs that forward's function directly: torch.compile guards a forward set on an instance
+    by its identity, so calling each layer's block through the module compiles a graph per
+    layer, where the function, one for every layer, compiles once."""
+    forward = module.forward
+    if type(forward) is InstanceForward and not hooked(module):
+        return forward.__func__(module, *args, **kwargs)
+    return module(*args, **kwargs)
+
+
 def mlp_plus_residual(recompute: bool, mlp: nn.Module, normed: Tensor, norm: nn.Module, h: Tensor) -> Tensor:
     """``h + mlp(normed)`` (``normed`` is ``norm``'s output whose input was h, as in
     ``after_norm``). An MLP running onepass's forward without hooks (whose output would
     otherwise include h) takes h itself, so that a decode step adds it inside the down
     projection's launch instead of a separate add."""
     if not recompute and getattr(mlp.forward, "takes_residual", False) and not hooked(mlp):
-        return mlp(normed, residual=h)
-    return h + after_norm(recompute, mlp, normed, norm, h)
+        return call(mlp, normed, residual=h)
+    return h + after_norm(recompute, functools.partial(call, mlp), normed, norm, h)
 
 
 def patch_gated_mlps(patches: Patches, layers, act_name: str, recompute: bool) -> str:

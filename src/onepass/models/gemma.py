@@ -15,6 +15,8 @@ geglu product are rebuilt in backward rather than kept (as in Llama).
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor, nn
 
 from onepass.models import common
@@ -24,11 +26,11 @@ MODEL_TYPES = ("gemma2", "gemma3_text")
 
 def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
     normed, hidden_states = common.norm_passing_input(self.input_layernorm, hidden_states)
-    attn, _ = common.after_norm(recompute, lambda x: self.self_attn(hidden_states=x, **kwargs), normed,
+    attn, _ = common.after_norm(recompute, lambda x: common.call(self.self_attn, hidden_states=x, **kwargs), normed,
                                 self.input_layernorm, hidden_states)
     normed, hidden_states = common.add_norm(self.pre_feedforward_layernorm, self.post_attention_layernorm(attn),
                                             hidden_states)
-    mlp = common.after_norm(recompute, self.mlp, normed, self.pre_feedforward_layernorm, hidden_states)
+    mlp = common.after_norm(recompute, functools.partial(common.call, self.mlp), normed, self.pre_feedforward_layernorm, hidden_states)
     return hidden_states + self.post_feedforward_layernorm(mlp)
 
 

@@ -30,12 +30,13 @@ def _block(self, recompute: bool, hidden_states: Tensor, cache=None, attention_m
     cache = cache if cache is not None else common.pop_cache(kwargs)
 
     def attend(normed):
-        return self.attn(normed, cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+        return common.call(self.attn, normed, cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
 
     normed, hidden_states = common.norm_passing_input(self.ln_1, hidden_states)
     attn, _ = common.after_norm(recompute, attend, normed, self.ln_1, hidden_states)
     normed, hidden_states = common.add_norm(self.ln_2, attn, hidden_states)
-    return hidden_states + common.after_norm(recompute, self.mlp, normed, self.ln_2, hidden_states)
+    return hidden_states + common.after_norm(recompute, functools.partial(common.call, self.mlp), normed, self.ln_2,
+                                             hidden_states)
 
 
 def _mlp_forward(approximate: str, recompute: bool):

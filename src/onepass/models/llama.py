@@ -26,7 +26,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
     normed, hidden_states = common.norm_passing_input(self.input_layernorm, hidden_states)
-    attn, _ = common.after_norm(recompute, lambda x: self.self_attn(hidden_states=x, **kwargs), normed,
+    attn, _ = common.after_norm(recompute, lambda x: common.call(self.self_attn, hidden_states=x, **kwargs), normed,
                                 self.input_layernorm, hidden_states)
     normed, hidden_states = common.add_norm(self.post_attention_layernorm, attn, hidden_states)
     return common.mlp_plus_residual(recompute, self.mlp, normed, self.post_attention_layernorm, hidden_states)
