@@ -128,6 +128,14 @@ def test_a_failed_rank_says_when_memory_ran_out():
     assert td.error_text(ImportError("no liger")) == "ImportError: no liger"
 
 
+def test_rows_of_ranks_failing_at_once_are_read_even_where_their_lines_run_together():
+    # four ranks out of memory at once wrote into one pipe: one line held two rows (a JSON error killed the run)
+    out = (f"log\n{td.RESULT_TAG}" + json.dumps({"variant": "onepass", "error": "OutOfMemoryError: a"})
+           + td.RESULT_TAG + json.dumps({"variant": "onepass", "error": "OutOfMemoryError: b"}) + "\n"
+           + td.RESULT_TAG + "{cut off\n")
+    assert [row["error"] for row in td._tagged(out, td.RESULT_TAG)] == ["OutOfMemoryError: a", "OutOfMemoryError: b"]
+
+
 def test_max_seq_counts_out_of_memory_as_too_long_and_stops_on_other_failures(monkeypatch):
     calls = []
     monkeypatch.setattr(td, "launch", fake_launch(7000, calls))

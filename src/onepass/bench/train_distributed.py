@@ -298,6 +298,18 @@ def _end(pid: int) -> None:
             pass
 
 
+def _tagged(out: str, tag: str) -> list[dict]:
+    """The JSON objects that follow ``tag`` in ``out``: ranks failing at once write their rows into
+    one pipe, where one rank's line can run into another's."""
+    decoder, found = json.JSONDecoder(), []
+    for chunk in out.split(tag)[1:]:
+        try:
+            found.append(decoder.raw_decode(chunk)[0])
+        except ValueError:
+            pass
+    return found
+
+
 def launch(gpus: int, spec: dict, timeout_s: float, log: Callable[[str], None] = log_line) -> tuple[DistResult, dict | None]:
     """Run ``spec`` in a fresh torchrun process group of ``gpus`` processes: its row (failed
     where a rank failed, the process died or ran past ``timeout_s``: then the end of a failed
@@ -316,8 +328,8 @@ def launch(gpus: int, spec: dict, timeout_s: float, log: Callable[[str], None] =
         _end(proc.pid)
         out, err = proc.communicate()
         timed_out = True
-    rows = [DistResult(**json.loads(line[len(RESULT_TAG):])) for line in out.splitlines() if line.startswith(RESULT_TAG)]
-    envs = [json.loads(line[len(ENV_TAG):]) for line in out.splitlines() if line.startswith(ENV_TAG)]
+    rows = [DistResult(**row) for row in _tagged(out, RESULT_TAG)]
+    envs = _tagged(out, ENV_TAG)
     row = next((r for r in rows if r.error), rows[0] if rows else None)  # a success: printed once all ranks were done
     if row is None:
         why = (f"timed out after {timeout_s:.0f} s" if timed_out else
