@@ -57,7 +57,10 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            register()
+            try:
+                register()
+            except ImportError:  # a transformers without these registries: its own import must not fail
+                pass
 
         spec.loader.exec_module = exec_module
         return spec
