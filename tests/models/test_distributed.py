@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import build
+
+import onepass
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -67,3 +70,12 @@ def test_optimize_after_fully_shard_is_refused_with_the_order_that_works(results
 
 def test_undo_after_fully_shard_is_refused(results):
     assert "build the model again" in _ok(results, "fsdp-undo-after-shard")["refused"]
+
+
+def test_a_model_partitioned_by_deepspeed_zero3_is_refused():
+    # ZeRO-3 marks each partitioned parameter (ds_id) and gathers it in module hooks, which the fused
+    # paths would skip, reading the empty partitions (Liger-Kernel's fused loss did: its issue #767)
+    model = build("llama")
+    model.lm_head.weight.ds_id = 0
+    with pytest.raises(ValueError, match="already sharded by DeepSpeed ZeRO-3"):
+        onepass.optimize(model)
