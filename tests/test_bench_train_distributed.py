@@ -1,6 +1,7 @@
-"""``onepass bench train --gpus N``: the FSDP2 recipe (``shard``, ``init_weights``), the rounds and
-the longest-sequence search with a fake launcher, and the whole path through torchrun on 2 CPU
-processes over gloo (eager, onepass, and Liger failing as a row where it is not installed)."""
+"""``onepass bench train --gpus N``: the FSDP2 recipe (``shard``, ``init_weights``), the rounds with a
+fake launcher (``fake_launch``, which tests/test_bench_max_seq.py shares), and the whole path through
+torchrun on 2 CPU processes over gloo (eager, onepass, and Liger failing as a row where it is not
+installed)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from onepass.bench import max_seq as ms
 from onepass.bench import train_distributed as td
 from onepass.bench.train import liger_patch
 from onepass.bench.train_distributed import DistResult
@@ -81,26 +83,7 @@ def test_init_weights_fills_the_shards_and_rebuilds_rotary_tables(one_rank_group
     assert abs(loss.item() - math.log(256)) < 0.1  # random init: about uniform over the vocabulary
 
 
-# --------------------------------------------------------------- the search, with fake trials
-
-
-@pytest.mark.parametrize("limit, longest, shortest_failed, tried", [
-    (6000, 5120, 6144, [4096, 8192, 6144, 5120]),
-    (10**6, 131072, None, [4096, 8192, 16384, 32768, 65536, 131072]),
-    (100000, 65536, 131072, [4096, 8192, 16384, 32768, 65536, 131072]),
-    (2500, 2048, 3072, [4096, 2048, 3072]),
-    (500, None, 1024, [4096, 2048, 1024]),
-    (8192, 8192, 9216, [4096, 8192, 16384, 12288, 10240, 9216]),
-])
-def test_search_doubles_then_bisects_to_the_quantum(limit, longest, shortest_failed, tried):
-    seen = []
-
-    def trial(seq):
-        seen.append(seq)
-        return seq <= limit
-
-    assert td.search_max_seq(trial, start=4096, quantum=1024, max_trials=6) == (longest, shortest_failed)
-    assert seen == tried
+# ------------------------------------------------------------- the rounds, with a fake launcher
 
 
 def fake_launch(limit, calls, error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"):
@@ -136,48 +119,11 @@ def test_rows_of_ranks_failing_at_once_are_read_even_where_their_lines_run_toget
     assert [row["error"] for row in td._tagged(out, td.RESULT_TAG)] == ["OutOfMemoryError: a", "OutOfMemoryError: b"]
 
 
-def test_max_seq_counts_out_of_memory_as_too_long_and_stops_on_other_failures(monkeypatch):
-    calls = []
-    monkeypatch.setattr(td, "launch", fake_launch(7000, calls))
-    entry = td.max_seq("llama-8b", 4, "onepass", False, log=lambda line: None)
-    assert (entry["longest"], entry["shortest_failed"], entry["error"]) == (6144, 7168, None)
-    assert [t["seq"] for t in entry["trials"]] == [4096, 8192, 6144, 7168]
-    assert [t["ok"] for t in entry["trials"]] == [True, False, True, False]
-    assert {(c["batch"], c["warmup"], c["timed"], c["checkpoint"]) for c in calls} == {(1, 1, 1, False)}
-
-    calls.clear()
-    monkeypatch.setattr(td, "launch", fake_launch(7000, calls, error="ImportError: liger_kernel is not importable"))
-    entry = td.max_seq("llama-8b", 4, "broken", True, log=lambda line: None)
-    assert entry["error"] == "ImportError: liger_kernel is not importable" and len(calls) == 1
-    assert entry["longest"] is None and calls[0]["checkpoint"] is True
-    entry = td.max_seq("llama-8b", 4, "liger", False, log=lambda line: None)  # a pass first: a failure is "too long"
-    assert (entry["longest"], entry["shortest_failed"], entry["error"]) == (6144, 7168, None)
-
-
 @pytest.fixture
 def four_gpus(monkeypatch):
     """The parent's checks see a host of 4 GPUs (the ranks' work is faked)."""
     monkeypatch.setattr(td.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(td.torch.cuda, "device_count", lambda: 4)
-
-
-def test_run_max_seq_merges_entries_across_runs(monkeypatch, tmp_path, four_gpus):
-    """One table a checkpointing setting; a variant's entry from a later run replaces its own."""
-    monkeypatch.setattr(td, "launch", fake_launch(7000, []))
-    quiet = {"log": lambda line: None}
-    td.run_max_seq("llama-8b", 4, ("liger", "onepass"), (False,), tmp_path, **quiet)
-    monkeypatch.setattr(td, "launch", fake_launch(9000, []))
-    td.run_max_seq("llama-8b", 4, ("onepass",), (False, True), tmp_path, **quiet)
-    folder = tmp_path / "h100-80gb-hbm3"
-    summary = json.loads((folder / "train-llama-8b-4gpu-max-seq.json").read_text())
-    assert [(e["variant"], e["longest"]) for e in summary["entries"]] == [("liger", 6144), ("onepass", 8192)]
-    text = (folder / "train-llama-8b-4gpu-max-seq.md").read_text()
-    assert "checkpointing off" in text
-    assert "| onepass | 8192 | 9216 | 1.33x | 4096: 4.1, 8192: 8.2, 16384: OOM, 12288: OOM, 10240: OOM, " in text
-    assert "| liger | 6144 | 7168 | 1.00x | 4096: 4.1, 8192: OOM, 6144: 6.1, 7168: OOM |" in text
-    with_ac = json.loads((folder / "train-llama-8b-4gpu-max-seq-ac.json").read_text())
-    assert [(e["variant"], e["checkpoint"], e["longest"]) for e in with_ac["entries"]] == [("onepass", True, 8192)]
-    assert "| onepass | 8192 | 9216 | — |" in (folder / "train-llama-8b-4gpu-max-seq-ac.md").read_text()
 
 
 def test_run_distributed_alternates_the_order_and_combines_the_rounds(monkeypatch, tmp_path, four_gpus):
@@ -267,7 +213,7 @@ def test_the_command_line_reaches_the_distributed_mode(monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(td, "run_distributed", lambda *a, **k: calls.append(("run", a, k)))
-    monkeypatch.setattr(td, "run_max_seq", lambda *a, **k: calls.append(("max", a, k)))
+    monkeypatch.setattr(ms, "run_max_seq", lambda *a, **k: calls.append(("max", a, k)))
     assert main(["bench", "train", "--gpus", "4", "--model", "llama-8b", "--variants", "liger,onepass",
                  "--checkpoint", "--rounds", "1", "--out", "o"]) == 0
     assert calls.pop() == ("run", ("llama-8b", 4, 2, 2048, ("liger", "onepass"), "o"),

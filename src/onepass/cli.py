@@ -79,7 +79,8 @@ def _bench_train(args) -> int:
     if args.lora:
         print("onepass bench train: --lora runs on one GPU (without --gpus or --max-seq)", file=sys.stderr)
         return 2
-    from onepass.bench.train_distributed import ROUNDS, run_distributed, run_max_seq
+    from onepass.bench.max_seq import run_max_seq
+    from onepass.bench.train_distributed import ROUNDS, run_distributed
 
     try:
         if args.max_seq:
