@@ -49,3 +49,11 @@ def test_dir_lists_the_public_api():
     import onepass
 
     assert {"optimize", "undo", "optimize_report", "Decoder", "generate", "ops", "optim"} <= set(dir(onepass))
+
+
+def test_version_prints_the_package_version(capsys):
+    import onepass
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"onepass {onepass.__version__}\n"

@@ -139,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from onepass.models.configs import CONFIGS
 
     models = sorted(CONFIGS)
+    from onepass import __version__
+
     parser = argparse.ArgumentParser(prog="onepass", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"onepass {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="the main job (benchmarks on a GPU, self-check without)").set_defaults(fn=_run)
     sub.add_parser("selfcheck", help="every op against its reference, and its byte budget").set_defaults(
