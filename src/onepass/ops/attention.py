@@ -797,6 +797,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
       ([H, total] with cu_seqlens), differentiable too.
 
     A query that sees no key gets a zero output (LSE -inf). The backward gives dq, dk, dv.
+    Unlike SDPA it takes ``causal`` (SDPA's ``is_causal``) and no ``attn_mask`` or dropout:
+    masks are the causal, window and cu_seqlens structures above, applied inside the kernel.
     """
     _check(q, k, v, scale, window, softcap, layout, cu_seqlens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -541,7 +541,9 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     label_smoothing=...)`` for 2-D logits, with these differences:
 
     - the class dim is the last one for any rank (PyTorch puts it at dim 1);
-    - no class ``weight``; the loss is returned in the logits' dtype (as PyTorch does),
+    - the third positional argument is ``ignore_index``, where PyTorch's is the class
+      ``weight``, which this op does not take (a tensor there is refused as ``ignore_index``);
+      the loss is returned in the logits' dtype (as PyTorch does),
       but computed and reduced in float32;
     - ``z_loss`` adds ``z_loss * lse^2`` per non-ignored row (PaLM's z-loss);
     - ``softcap`` caps the logits first, ``softcap * tanh(logits / softcap)`` (Gemma 2);

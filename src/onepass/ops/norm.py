@@ -500,7 +500,9 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, out_
     """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32.
 
     Like ``F.rms_norm(x, (x.shape[-1],), weight, eps)``; ``out_dtype`` fuses the cast of
-    the result (default: x's dtype).
+    the result (default: x's dtype). The default ``eps`` differs: 1e-6 here (Llama's and most
+    models' value), where ``F.rms_norm``'s ``eps=None`` means the input dtype's machine epsilon
+    (bf16: 0.0078): pass ``eps`` to match a call of PyTorch's without one.
     """
     return _norm(x, None, weight, None, eps, 0.0, None, True, out_dtype)[0]
 
