@@ -103,6 +103,32 @@ def test_cli(tmp_path, capsys):
     assert "cannot write" in capsys.readouterr().err  # said before the analysis, in one line
 
 
+def test_cli_takes_a_config_json(tmp_path, capsys):
+    """--model takes a local config.json, or its folder: the same report as the built-in name it was saved from;
+    a name that is neither is refused in one line naming the built-in names, before --out is made."""
+    CONFIGS["llama-tiny"]().save_pretrained(tmp_path / "tiny")  # writes tiny/config.json, no weights
+    reports = {}
+    for model in ("llama-tiny", str(tmp_path / "tiny" / "config.json"), str(tmp_path / "tiny")):
+        out = tmp_path / f"out{len(reports)}"
+        assert main(["--model", model, "--seq", "16", "--mode", "train", "--quiet", "--out", str(out)]) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["title"].startswith(f"{model} batch 1 x seq 16")
+        reports[model] = {key: report[key] for key in ("totals", "chains", "ops")}
+    built_in, from_file, from_folder = reports.values()
+    assert built_in["ops"] and from_file == built_in and from_folder == built_in
+    capsys.readouterr()
+
+    for bad in ("llama-70b", str(tmp_path / "missing" / "config.json"), str(tmp_path / "out0")):  # out0: no config
+        assert main(["--model", bad, "--out", str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and bad in err and "llama-1b" in err and "config.json" in err
+    assert not (tmp_path / "never").exists()
+    (tmp_path / "broken.json").write_text("{not json")
+    assert main(["--model", str(tmp_path / "broken.json"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot build a causal LM" in err
+
+
 def test_bad_names():
     with pytest.raises(ValueError, match="model"):
         build("llama-70b")

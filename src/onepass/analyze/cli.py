@@ -3,6 +3,7 @@
     onepass analyze --model llama-1b                       # meta tensors, H100 datasheet, forward
     onepass analyze --model gpt2 --mode train --gpu A100 --out out/gpt2
     onepass analyze --model llama-1b --measure --out out/  # on a CUDA GPU: profiled side too
+    onepass analyze --model path/to/config.json            # any Hugging Face causal LM: its config, no weights
 
 The lead wires it: ``add_arguments(subparser)`` then ``run(args)``.
 """
@@ -25,11 +26,50 @@ def _gpu_name(name: str) -> str:
     return next((known for known in GPUS if known.lower() == name.lower()), name)
 
 
+def config_path(model: str) -> str | None:
+    """None for a built-in name; for a config.json (the file, or a folder holding one), its path.
+
+    Anything else raises ``ValueError`` in one line naming what ``--model`` takes."""
+    from onepass.models.configs import CONFIGS
+
+    if model in CONFIGS:
+        return None
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"--model {model}: not a built-in name ({', '.join(sorted(CONFIGS))}) nor a path to a "
+                         "config.json or a folder holding one")
+    return path
+
+
+def build_model(model: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``--model``'s causal LM in eval mode: a built-in name, or a local Hugging Face config.json
+    (read with ``local_files_only``: nothing downloaded), with random weights, none on meta."""
+    from onepass.models.configs import build
+
+    path = config_path(model)
+    if path is None:
+        return build(model, device=device, dtype=dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config._attn_implementation = "sdpa"  # as the built-in models: the analyzer's attention op
+        with torch.device(device):
+            built = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:  # unreadable JSON, an unknown model_type, not a causal LM
+        first = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise ValueError(f"--model {model}: cannot build a causal LM from {path}: {first}") from e
+    return built.eval()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from onepass.models.configs import CONFIGS
 
-    parser.add_argument("--model", default="llama-1b", choices=sorted(CONFIGS), help="built-in model configuration")
-    parser.add_argument("--gpu", default="H100", type=_gpu_name, choices=list(GPUS), help="datasheet ceilings for the roofline")
+    parser.add_argument("--model", default="llama-1b",
+                        help=f"a built-in model configuration ({', '.join(sorted(CONFIGS))}), or a path to a "
+                             "Hugging Face config.json (or a folder holding one): its causal LM with no weights")
+    parser.add_argument("--gpu", default="H100", type=_gpu_name, choices=list(GPUS),
+                        help="datasheet ceilings for the roofline")
     parser.add_argument("--mode", default="forward", choices=["forward", "train"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=None, help="tokens a row (default: 2048, or the model's maximum "
@@ -46,10 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from onepass.analyze import analyze
     from onepass.analyze.report import ONE_FILE_SUFFIXES
-    from onepass.models.configs import build
 
     if args.batch < 1 or (args.seq is not None and args.seq < 1) or args.top < 1:
         print("onepass analyze: --batch, --seq and --top must be positive", file=sys.stderr)
+        return 2
+    try:
+        config_path(args.model)  # a bad --model is said before --out is made
+    except ValueError as e:
+        print(f"onepass analyze: {e}", file=sys.stderr)
         return 2
     one_file = args.out and os.path.splitext(args.out)[1].lower() in ONE_FILE_SUFFIXES
     folder = (os.path.dirname(args.out) or ".") if one_file else args.out
@@ -70,7 +114,11 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if args.measure else "meta"
     if device == "cuda":
         torch.manual_seed(0)
-    model = build(args.model, device=device, dtype=getattr(torch, args.dtype))
+    try:
+        model = build_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    except ValueError as e:
+        print(f"onepass analyze: {e}", file=sys.stderr)
+        return 2
     positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 2048)
     seq = args.seq or min(2048, positions)
     if seq > positions:
@@ -89,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         import onepass
 
         torch.manual_seed(0)  # the same weights as the eager model
-        fused = onepass.optimize(build(args.model, device=device, dtype=getattr(torch, args.dtype)))
+        fused = onepass.optimize(build_model(args.model, device=device, dtype=getattr(torch, args.dtype)))
         fused.train(args.mode == "train")
         compiled = [("torch.compile", torch.compile(model)), ("onepass", fused),
                     ("onepass + torch.compile", torch.compile(fused))]
