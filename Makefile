@@ -13,6 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 .PHONY: test run
 test: $(VENV)/.installed
+	$(PY) -m ruff check src tests benchmarks examples
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto
 
 run: $(VENV)/.installed

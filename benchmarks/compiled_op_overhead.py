@@ -72,7 +72,8 @@ def main():
         "eager ops.rms_norm (onepass's eager path)": _chain(lambda x, w: ops.rms_norm(x, w, 1e-6)),
         "eager registered op (custom_op)": _chain(onepass_registered),
         "eager triton_op": _chain(lambda x, w: _rms_norm_traceable(x, w, 1e-6)),
-        "compiled: Inductor's own kernel (reference)": torch.compile(_chain(lambda x, w: reference.rms_norm(x, w, 1e-6))),
+        "compiled: Inductor's own kernel (reference)":
+            torch.compile(_chain(lambda x, w: reference.rms_norm(x, w, 1e-6))),
         "compiled: ops.rms_norm (custom_op, now)": torch.compile(_chain(lambda x, w: ops.rms_norm(x, w, 1e-6))),
         "compiled: triton_op": torch.compile(_chain(lambda x, w: _rms_norm_traceable(x, w, 1e-6))),
     }

@@ -37,7 +37,7 @@ def main():
                 gbps = layers * kv_bytes / ms / 1e6
                 print(f"decode B{batch} L{cache_len} splits={splits:<3} {ms / layers * 1e3:8.1f} us/layer "
                       f"{gbps / copy:6.1%}{'  <- default' if splits == default else ''}", flush=True)
-            del caches
+            caches = None  # freed before the next length's are made
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def time_lce_pieces(matmul_tflops):
     full = 3 * 2 * TOKENS * HIDDEN * VOCAB
     ms3 = (bench(lambda: h_all @ w.t()) + bench(lambda: torch.empty(TOKENS, VOCAB, device=dev, dtype=bf) @ w)
            + bench(lambda: torch.empty(VOCAB, TOKENS, device=dev, dtype=bf) @ h_all))
-    print(f"lce three full matmuls {ms3:7.3f} ms ({full / ms3 / 1e9:.0f} TFLOP/s; measured ceiling {matmul_tflops:.0f})")
+    print(f"lce three full matmuls {ms3:7.3f} ms ({full / ms3 / 1e9:.0f} TFLOP/s; "
+          f"measured ceiling {matmul_tflops:.0f})")
     acc32 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=torch.float32)
     acc16 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=bf)
     for c in (512, 1024, 2048):

@@ -81,7 +81,8 @@ def sweep_layer_norm(copy):
     nbytes = 2 * x.numel() * 2
     ref = torch.nn.functional.layer_norm(x.float(), (n,), w.float(), b.float(), 1e-5)
     g, wall = timeit(lambda: ops.layer_norm(x, w, b))
-    print(f"ln production           graph {g*1e3:6.1f} us {nbytes/g/1e6/copy:6.1%}  wall {wall*1e3:6.1f} us {nbytes/wall/1e6/copy:6.1%}")
+    print(f"ln production           graph {g*1e3:6.1f} us {nbytes/g/1e6/copy:6.1%}  "
+          f"wall {wall*1e3:6.1f} us {nbytes/wall/1e6/copy:6.1%}")
     y = torch.empty_like(x)
     mean = torch.empty(rows, device="cuda", dtype=torch.float32)
     rstd = torch.empty_like(mean)
@@ -152,10 +153,12 @@ def sweep_rope(copy):
     nbytes = 2 * (q.numel() + k.numel()) * 2
     q_ref, k_ref = ops.rope(q, k, cos, sin)
     g, wall = timeit(lambda: ops.rope(q, k, cos, sin))
-    print(f"rope production         graph {g*1e3:6.1f} us {nbytes/g/1e6/copy:6.1%}  wall {wall*1e3:6.1f} us {nbytes/wall/1e6/copy:6.1%}")
+    print(f"rope production         graph {g*1e3:6.1f} us {nbytes/g/1e6/copy:6.1%}  "
+          f"wall {wall*1e3:6.1f} us {nbytes/wall/1e6/copy:6.1%}")
     compiled = torch.compile(__import__("onepass.bench.suites.rope", fromlist=["_hf_rope"])._hf_rope())
     g, wall = timeit(lambda: compiled(q, k, cos, sin))
-    print(f"rope torch.compile      graph {g*1e3:6.1f} us {nbytes/g/1e6/copy:6.1%}  wall {wall*1e3:6.1f} us {nbytes/wall/1e6/copy:6.1%}")
+    print(f"rope torch.compile      graph {g*1e3:6.1f} us {nbytes/g/1e6/copy:6.1%}  "
+          f"wall {wall*1e3:6.1f} us {nbytes/wall/1e6/copy:6.1%}")
     orig = rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.TOKEN_TILE
     for tile, warps, ttile in ((1024, 1, 1024), (512, 1, 1024), (1024, 1, 0), (1024, 2, 1024), (2048, 2, 1024)):
         rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.TOKEN_TILE = tile, warps, ttile

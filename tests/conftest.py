@@ -46,3 +46,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not GPU:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    """The distributed benchmark's parent sees a host of 4 GPUs (its ranks' work is faked)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

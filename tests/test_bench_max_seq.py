@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_bench_train_distributed import fake_launch, four_gpus  # noqa: F401 (a fixture)
+from test_bench_train_distributed import fake_launch
 
 from onepass.bench import max_seq as ms
 

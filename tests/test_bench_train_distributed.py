@@ -119,13 +119,6 @@ def test_rows_of_ranks_failing_at_once_are_read_even_where_their_lines_run_toget
     assert [row["error"] for row in td._tagged(out, td.RESULT_TAG)] == ["OutOfMemoryError: a", "OutOfMemoryError: b"]
 
 
-@pytest.fixture
-def four_gpus(monkeypatch):
-    """The parent's checks see a host of 4 GPUs (the ranks' work is faked)."""
-    monkeypatch.setattr(td.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(td.torch.cuda, "device_count", lambda: 4)
-
-
 def test_run_distributed_alternates_the_order_and_combines_the_rounds(monkeypatch, tmp_path, four_gpus):
     calls = []
     monkeypatch.setattr(td, "launch", fake_launch(10**6, calls))
@@ -180,8 +173,8 @@ def test_onepass_trains_with_its_head_a_unit_and_checkpointed_layers_in_bf16(mon
     """The 8B layout (an untied head) as its own unit, checkpointing, bf16 compute over fp32
     weights; the ops run their references (the kernels ran through the interpreter above)."""
     monkeypatch.setenv("ONEPASS_REFERENCE", "1")
-    spec = {"job": "train", "model": "llama-tiny-untied", "variant": "onepass", "batch": 1, "seq": 16, "head_unit": True,
-            "checkpoint": True, "mp": True, "warmup": 1, "timed": 1}
+    spec = {"job": "train", "model": "llama-tiny-untied", "variant": "onepass", "batch": 1, "seq": 16,
+            "head_unit": True, "checkpoint": True, "mp": True, "warmup": 1, "timed": 1}
     row, env = td.launch(2, spec, 300, lambda line: None)
     assert row.error is None and abs(row.loss - math.log(256)) < 0.2
     assert env["gpu"] == "cpu" and "copy_GBps" not in env  # ceilings only in the heat job

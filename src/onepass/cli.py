@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_generate.add_argument("--new", type=_at_least(2), default=256, help="new tokens (the first comes from "
                                                                             "the prompt's forward, the rest timed)")
     bench_generate.add_argument("--no-compile", action="store_true",
-                                help="skip HF generate with a static cache and torch.compile (its compile takes minutes)")
+                                help="skip HF generate with a static cache and torch.compile (its compile takes "
+                                     "minutes)")
     bench_generate.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_generate.set_defaults(fn=_bench_generate)
     analyze = sub.add_parser("analyze", help="where a model's HBM bytes and launches go, and what fusing saves")

@@ -164,8 +164,12 @@ def checkpoint_round_trip(family: str, ids: torch.Tensor) -> dict:
     """DCP save of an optimized, sharded model and its optimizer state after a step, loaded
     into a fresh one; then the full state dict, saved by save_pretrained and loaded back."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
 
     def make():
         model = build(family).train()

@@ -9,11 +9,10 @@ import sys
 
 import torch
 import transformers as tf
+from tiny_models import CONFIGS
 
 from onepass import ops
 from onepass.testing import rel_error
-
-from tiny_models import CONFIGS
 
 
 def _spy_attention(monkeypatch) -> list:

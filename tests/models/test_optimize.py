@@ -9,13 +9,12 @@ import pathlib
 import warnings
 
 import pytest
+import tiny_models as tiny
 import torch
 
 import onepass
 from onepass.models.common import cache_keyword
 from onepass.testing import TOLERANCE, assert_close, rel_error
-
-import tiny_models as tiny
 
 pytest.importorskip("transformers")
 
@@ -460,7 +459,8 @@ def test_whole_model_loads_in_a_fresh_process(device, tmp_path):
             "saved = torch.load(sys.argv[1], weights_only=False)\n"
             "with torch.no_grad():\n"
             "    out = saved['model'](saved['ids']).logits\n"
-            "assert torch.allclose(out, saved['expected'], rtol=1e-4, atol=1e-4), (out - saved['expected']).abs().max()\n")
+            "assert torch.allclose(out, saved['expected'], rtol=1e-4, atol=1e-4), "
+            "(out - saved['expected']).abs().max()\n")
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "saved.pt")], capture_output=True, text=True,
                          check=False, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

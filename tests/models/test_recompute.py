@@ -17,6 +17,7 @@ import warnings
 import weakref
 
 import pytest
+import tiny_models as tiny
 import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -24,8 +25,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import onepass
 from onepass.models import common
 from onepass.testing import TOLERANCE, rel_error
-
-import tiny_models as tiny
 
 pytest.importorskip("transformers")
 

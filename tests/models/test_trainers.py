@@ -23,12 +23,11 @@ import tempfile
 import warnings
 
 import pytest
+import tiny_models as tiny
 import torch
 
 import onepass
 from onepass.testing import TOLERANCE, rel_error
-
-import tiny_models as tiny
 
 transformers = pytest.importorskip("transformers")
 

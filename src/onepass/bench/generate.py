@@ -152,7 +152,8 @@ def to_markdown(summary: dict) -> str:
             lines.append(f"| {r['batch']} | {r['variant']} | failed: {r['error'][:80]} | | | | | |")
             continue
         ratio = r["call_ms"] / ours[r["batch"]] if ours.get(r["batch"]) else None
-        lines.append(f"| {r['batch']} | {r['variant']} | {r['warmup_s']:.1f} | {r['call_ms']:.1f} | {r['step_ms']:.3f} | "
+        lines.append(f"| {r['batch']} | {r['variant']} | {r['warmup_s']:.1f} | {r['call_ms']:.1f} | "
+                     f"{r['step_ms']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {100 * r['frac_floor']:.0f} | "
                      + (f"{ratio:.2f}" if ratio else "—") + " |")
     return "\n".join(lines) + "\n"

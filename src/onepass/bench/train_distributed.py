@@ -89,7 +89,8 @@ def shard(model: torch.nn.Module, *, reshard_after_forward: bool = True, head_un
 
     if head_unit and model.get_input_embeddings().weight is model.get_output_embeddings().weight:
         raise ValueError("head_unit: the LM head shares its weight with the input embedding; it stays in the root unit")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else MixedPrecisionPolicy()
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp
+              else MixedPrecisionPolicy())
     layers = model.model.layers
     for i, layer in enumerate(layers):
         if checkpoint:
@@ -307,7 +308,8 @@ def _tagged(out: str, tag: str) -> list[dict]:
     return found
 
 
-def launch(gpus: int, spec: dict, timeout_s: float, log: Callable[[str], None] = log_line) -> tuple[DistResult, dict | None]:
+def launch(gpus: int, spec: dict, timeout_s: float,
+           log: Callable[[str], None] = log_line) -> tuple[DistResult, dict | None]:
     """Run ``spec`` in a fresh torchrun process group of ``gpus`` processes: its row (failed
     where a rank failed, the process died or ran past ``timeout_s``: then the end of a failed
     rank's traceback is logged) and the environment its rank 0 reported."""
@@ -346,11 +348,13 @@ def check_run(model: str, gpus: int, variants: tuple[str, ...]) -> None:
     if model not in CONFIGS:
         raise ValueError(f"model: unknown name {model!r}; expected one of {sorted(CONFIGS)}")
     if set(variants) - set(VARIANTS):
-        raise ValueError(f"variants: unknown {sorted(set(variants) - set(VARIANTS))}; expected some of {list(VARIANTS)}")
+        raise ValueError(f"variants: unknown {sorted(set(variants) - set(VARIANTS))}; "
+                         f"expected some of {list(VARIANTS)}")
     if torch.cuda.is_available() and torch.cuda.device_count() < gpus:
         raise ValueError(f"gpus: {gpus} asked, {torch.cuda.device_count()} CUDA GPUs here")
     if not torch.cuda.is_available() and "-tiny" not in model:
-        raise ValueError(f"no CUDA GPU: CPU processes over gloo run a smoke test, with a -tiny model only, not {model!r}")
+        raise ValueError("no CUDA GPU: CPU processes over gloo run a smoke test, with a -tiny model only, "
+                         f"not {model!r}")
 
 
 def save_summary(summary: dict, out_dir: str | Path, stem: str, markdown: str, log) -> None:
@@ -397,7 +401,8 @@ def run_distributed(model: str = "llama-3b", gpus: int = 2, batch: int = 2, seq:
             peak = f"{row.peak_gib:5.1f} GiB" if row.peak_gib is not None else "—"
             log(f"  {variant:<22} " + (f"failed: {row.error}" if row.error else
                                        f"{row.tokens_per_s / 1e3:7.2f}k tokens/s/GPU  {row.step_ms:8.1f} ms/step  MFU "
-                                       f"{100 * flops / (row.step_ms / 1e3) / rate:4.1f}%  peak {peak}  loss {row.loss:.3f}"))
+                                       f"{100 * flops / (row.step_ms / 1e3) / rate:4.1f}%  peak {peak}  "
+                                       f"loss {row.loss:.3f}"))
         results = []  # the rounds so far, written after each: a run cut off keeps what it measured
         for variant in variants:
             row = DistResult(**asdict(combine_rounds(by_variant[variant])))
@@ -435,10 +440,11 @@ def to_markdown(summary: dict) -> str:
         lines.append(f"| {r['variant']} | {r['tokens_per_s'] / 1e3:.2f}k | {r['step_ms']:.1f} | {100 * r['mfu']:.1f} | "
                      f"{peak} | {ratio(r, liger, 'tokens_per_s')} | {ratio(r, liger, 'peak_gib')} | "
                      f"{ratio(r, compiled, 'tokens_per_s')} | {gpu} | {r['loss']:.3f} | {r['note'] or ''} |")
-    lines += ["", "Targets: onepass >= 1.1x Liger's tokens/s per GPU at <= 0.9x its peak memory; onepass + torch.compile "
-              ">= torch.compile (which compiles each decoder layer). A step's time is the slowest rank's; each figure "
-              f"the mean of {summary['rounds']} rounds' medians, the variants in order, then in reverse, each in a fresh "
-              "torchrun process (see onepass.bench.train_distributed). Peak: the highest rank's max_memory_allocated."]
+    lines += ["", "Targets: onepass >= 1.1x Liger's tokens/s per GPU at <= 0.9x its peak memory; onepass + "
+              "torch.compile >= torch.compile (which compiles each decoder layer). A step's time is the slowest "
+              f"rank's; each figure the mean of {summary['rounds']} rounds' medians, the variants in order, then in "
+              "reverse, each in a fresh torchrun process (see onepass.bench.train_distributed). Peak: the highest "
+              "rank's max_memory_allocated."]
     return "\n".join(lines) + "\n"
 
 

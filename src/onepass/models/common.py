@@ -23,9 +23,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from onepass import hf_attention, ops
 from onepass import nn as onn
-from onepass import ops
-from onepass import hf_attention
 from onepass.models import distributed, projections, tied_embedding
 from onepass.models.attention import eager_attention
 from onepass.ops import activation, kv_cache
@@ -438,7 +437,7 @@ def gated_recompute_status(switches: dict[str, bool], status: dict[str, str], la
     recomputed = []
     if switches["norm"]:
         recomputed.append(("the norm outputs feeding q/k/v and gate/up", 2 * hidden_size, "2 rms_norm"))
-    if status.get("activation", "").startswith(FUSED) and not all(projections.mlp_node(l.mlp) for l in layers):
+    if status.get("activation", "").startswith(FUSED) and not all(projections.mlp_node(layer.mlp) for layer in layers):
         recomputed.append(("the MLP's act(gate) * up", intermediate_size, "1 gated activation"))
     return recompute_status(recomputed)
 

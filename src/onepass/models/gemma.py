@@ -30,7 +30,8 @@ def _layer(self, recompute: bool, hidden_states: Tensor, **kwargs) -> Tensor:
                                 self.input_layernorm, hidden_states)
     normed, hidden_states = common.add_norm(self.pre_feedforward_layernorm, self.post_attention_layernorm(attn),
                                             hidden_states)
-    mlp = common.after_norm(recompute, functools.partial(common.call, self.mlp), normed, self.pre_feedforward_layernorm, hidden_states)
+    mlp = common.after_norm(recompute, functools.partial(common.call, self.mlp), normed,
+                            self.pre_feedforward_layernorm, hidden_states)
     return hidden_states + self.post_feedforward_layernorm(mlp)
 
 

@@ -8,8 +8,9 @@ The layer (pre-norm, residual stream h):
 so the residual add and the second norm are one pass that writes both the new stream
 and the normed input of the MLP; the MLP's ``silu(gate) * up`` is ``swiglu``, and with
 plain linear projections the MLP is one node (``projections.gated_mlp``) that never keeps
-the swiglu product (in a decode step, its down projection also adds h: ``mlp_plus_residual``). The first norm hands h on through its own node (``passing_input``), so
-in backward the stream's gradient is added inside the norm's kernel, not by a separate add.
+the swiglu product (in a decode step, its down projection also adds h: ``mlp_plus_residual``).
+The first norm hands h on through its own node (``passing_input``), so in backward the
+stream's gradient is added inside the norm's kernel, not by a separate add.
 With the ``recompute`` switch, neither norm output (the input of q/k/v, of gate/up) nor,
 for an MLP run as modules, the swiglu product (the input of down_proj) is kept for
 backward: they are rebuilt there from h, and from gate and up, which autograd keeps anyway.

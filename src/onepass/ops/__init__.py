@@ -4,16 +4,17 @@ from onepass.ops.activation import bias_gelu, geglu, swiglu
 from onepass.ops.adamw import adamw_step
 from onepass.ops.attention import attention
 from onepass.ops.cross_entropy import cross_entropy
-from onepass.ops.linear_cross_entropy import linear_cross_entropy
-from onepass.ops.lora import lora_linear
 from onepass.ops.decode_attention import decode_attention
 from onepass.ops.decode_linear import decode_gated_linear, decode_linear
+from onepass.ops.linear_cross_entropy import linear_cross_entropy
+from onepass.ops.lora import lora_linear
 from onepass.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.ops.rope import rope
 from onepass.ops.softmax import softmax
 
 __all__ = [
-    "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention", "decode_gated_linear",
+    "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention",
+    "decode_gated_linear",
     "decode_linear", "geglu",
     "layer_norm", "linear_cross_entropy", "lora_linear", "rms_norm", "rope", "softmax", "swiglu",
 ]

@@ -430,18 +430,18 @@ def _attn_bwd_dkdv_kernel(
         stats = b64 * lse_stride_b + h64 * lse_stride_h + row64
         if BOUND_AFTER:  # (the roles swapped: the forward's bound after masks the first query tiles)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
-                                 delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before,
-                                 after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_M,
-                                 BLOCK_D, PRECISION)
+                                 delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                                 before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                                 BLOCK_M, BLOCK_D, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
-                             delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before,
-                             after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_M,
-                             BLOCK_D, PRECISION)
+                             delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                             before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, PRECISION)
         if BOUND_BEFORE or not WHOLE_TILES:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
-                                 delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before,
-                                 after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_M,
-                                 BLOCK_D, PRECISION)
+                                 delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                                 before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                                 BLOCK_M, BLOCK_D, PRECISION)
     rows = k_idx
     _store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
                 seqlen_k, dk * scale, HEAD_DIM)
@@ -516,16 +516,16 @@ def _attn_bwd_dq_kernel(
                                           BOUND_BEFORE, BOUND_AFTER)
     offs_n = _arange(BLOCK_N, LONG)
     if BOUND_BEFORE:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, q_idx, offs_n, offs_d,
-                       seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER,
-                       SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, q_idx, offs_n,
+                       offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE,
+                       BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, q_idx, offs_n,
                    offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, False, BOUND_BEFORE,
                    BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     if BOUND_AFTER or not WHOLE_TILES:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, q_idx, offs_n, offs_d,
-                       seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER,
-                       SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, q_idx, offs_n,
+                       offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE,
+                       BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     _store_rows(dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s, rows, dq_stride_s, offs_d,
                 seqlen_q, dq * scale, HEAD_DIM)
 

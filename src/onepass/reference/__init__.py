@@ -5,12 +5,18 @@ and the unfused side of every benchmark, so each is written the way Hugging Face
 models write it: upcast to float32 (or keep float64), compute, cast back.
 """
 
-from onepass.reference.attention import attention, decode_attention
 from onepass.reference.activation import bias_gelu, geglu, gelu, swiglu
+from onepass.reference.attention import attention, decode_attention
 from onepass.reference.linear import decode_gated_linear, decode_linear
-from onepass.reference.lora import lora_linear as lora_linear
+from onepass.reference.lora import lora_linear
 from onepass.reference.loss import cross_entropy, linear_cross_entropy, logsumexp_argmax
 from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
-from onepass.reference.optim import adamw_step as adamw_step
+from onepass.reference.optim import adamw_step
 from onepass.reference.rope import rope
 from onepass.reference.softmax import softmax
+
+__all__ = [
+    "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention",
+    "decode_gated_linear", "decode_linear", "geglu", "gelu", "layer_norm", "linear_cross_entropy", "logsumexp_argmax",
+    "lora_linear", "rms_norm", "rope", "softmax", "swiglu",
+]

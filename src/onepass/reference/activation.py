@@ -3,7 +3,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 
-
 def swiglu(gate, up):
     # read gate, write silu(gate); read it and up, write y: 5 passes unfused (HF LlamaMLP)
     return F.silu(gate) * up
