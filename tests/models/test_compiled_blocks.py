@@ -34,3 +34,14 @@ def test_blocks_compiled_one_by_one_share_one_graph(family, optimized):
     ids = torch.randint(0, 64, (1, 6))
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_block_compiled_in_place_runs_compiled():
+    model = tf.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).train()
+    onepass.optimize(model, attention=False)
+    model.model.layers[0].mlp.compile(backend="eager")  # nn.Module.compile: the module's own call is compiled
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(0, 64, (1, 6))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1

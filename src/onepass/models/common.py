@@ -486,9 +486,9 @@ def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     by its identity, so calling each layer's block through the module compiles a graph per
     layer, where the function, one for every layer, compiles once."""
     forward = module.forward
-    if type(forward) is InstanceForward and not hooked(module):
+    if type(forward) is InstanceForward and not hooked(module) and module._compiled_call_impl is None:
         return forward.__func__(module, *args, **kwargs)
-    return module(*args, **kwargs)
+    return module(*args, **kwargs)  # (module.compile() compiled its call)
 
 
 def mlp_plus_residual(recompute: bool, mlp: nn.Module, normed: Tensor, norm: nn.Module, h: Tensor) -> Tensor:
