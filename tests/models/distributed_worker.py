@@ -140,24 +140,25 @@ def compiled_blocks(family: str, ids: torch.Tensor) -> dict:
     return fsdp(family, ids, wrap=lambda layer: torch.compile(layer, fullgraph=True, backend="aot_eager"))
 
 
-def optimize_after_shard(family: str, ids: torch.Tensor) -> dict:
-    model = _shard(build(family).train())
+def _refusal(call) -> dict:
+    """The message of the ValueError ``call()`` raises, or None if it raises none."""
     try:
-        onepass.optimize(model)
+        call()
     except ValueError as e:
         return {"refused": str(e)}
     return {"refused": None}
+
+
+def optimize_after_shard(family: str, ids: torch.Tensor) -> dict:
+    model = _shard(build(family).train())
+    return _refusal(lambda: onepass.optimize(model))
 
 
 def undo_after_shard(family: str, ids: torch.Tensor) -> dict:
     model = build(family).train()
     onepass.optimize(model)
     _shard(model)
-    try:
-        onepass.undo(model)
-    except ValueError as e:
-        return {"refused": str(e)}
-    return {"refused": None}
+    return _refusal(lambda: onepass.undo(model))
 
 
 def checkpoint_round_trip(family: str, ids: torch.Tensor) -> dict:
