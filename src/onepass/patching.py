@@ -173,6 +173,11 @@ def undo(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_optimized(module: nn.Module) -> bool:
+    """Whether ``module`` is, or holds, a model patched by ``optimize`` (and not undone)."""
+    return any(_STATE in m.__dict__ for m in module.modules())
+
+
 def optimize_report(model: nn.Module) -> dict[str, str]:
     """Per switch: "fused: how", "unfused: why", "n/a: why" or "off" ("on: what and the cost"
     for ``recompute``)."""
