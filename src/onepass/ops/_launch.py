@@ -1,6 +1,6 @@
 """What every op shares: where it runs, input checks, and launch settings.
 
-Dispatch rule (GUIDE section 2.6): CUDA tensors run the Triton kernels; CPU tensors
+Dispatch rule, the one every op follows (``route``): CUDA tensors run the Triton kernels; CPU tensors
 run the plain PyTorch reference, unless ``TRITON_INTERPRET=1`` is set, in which case
 the Triton kernels themselves run on the CPU through Triton's interpreter (how CI
 checks them).
@@ -173,7 +173,7 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b), for host code: ``triton.cdiv`` is a constexpr function whose wrapper
-    costs ~1.5-3 us of host time a call, several times a launch."""
+    costs more host time a call than it saves."""
     return -(-a // b)
 
 
@@ -237,10 +237,10 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     matter: the binder (which specializes the arguments: dtypes, 16-byte alignment,
     integers equal to 1 or divisible by 16) and the compiled kernel's launcher. This keeps,
     per specialization the binder reports, the compiled kernel Triton returned for it and
-    calls its launcher directly. H200 host, the norm forward kernel (24 arguments): 16.1 us
-    a launch against 19.1 us through ``kernel[grid]`` (benchmarks/host_overhead.py). The first
-    call of each specialization, the interpreter, and runs with Triton launch hooks set
-    (profilers such as proton) take Triton's own path.
+    calls its launcher directly, which saves host time a launch (measured by
+    benchmarks/host_overhead.py; no committed table yet). The first call of each
+    specialization, the interpreter, and runs with Triton launch hooks set (profilers such
+    as proton) take Triton's own path.
     """
     if interpreting() or _launch_hooks_set():
         kernel[grid](*args, **meta)
@@ -264,8 +264,8 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
 def registered_outputs(outputs: tuple, like: torch.Tensor) -> tuple:
     """A launcher's outputs as a registered op returns them: each absent one (None) as an
     empty tensor of ``like``'s dtype, for a custom op returns tensors only. Launchers return
-    None rather than allocating placeholders: on an H200 host each allocation is 1-2 us of
-    host time, twice that inside an autograd step."""
+    None rather than allocating placeholders: each allocation costs host time, more inside an
+    autograd step."""
     return tuple(like.new_empty(0) if o is None else o for o in outputs)
 
 
@@ -274,13 +274,11 @@ def eager_autograd(launch_fwd, setup_context, backward, returns: int | None = No
     ``torch.autograd.Function``: eager calls skip torch.library's dispatch layers.
     ``returns``: how many leading outputs of the launcher the Function gives back (default
     all); the rest (statistics for the backward) reach only ``setup_context``. Each output
-    costs host time: H200 host, Function.apply with 1, 2 and 4 outputs 5.7, 7.7, 10.3 us.
+    costs host time in ``Function.apply``.
 
-    H200, rms_norm forward+backward on 16384 x 4096 bf16 (benchmarks/host_overhead.py):
-    590 us of host time a step through the registered op, 277 us through this, against
-    ~185 us of GPU time. The forward takes ``ctx`` itself (the older Function style): one
-    forward with a separate ``setup_context`` cost 71 us of host time, this one 39 us.
-    Under torch.compile the registered op runs (see ``route``).
+    This about halves an eager step's host time against the registered op; the forward takes
+    ``ctx`` itself (the older Function style), cheaper than a separate ``setup_context``
+    (benchmarks/host_overhead.py). Under torch.compile the registered op runs (see ``route``).
     """
 
     def forward(ctx, *inputs):
@@ -319,8 +317,7 @@ def route(op, launch, *tensors: torch.Tensor | None, autograd=None):
     The registered op while anything traces (``tracing``: it stays opaque and has a fake
     implementation); ``autograd`` (from ``eager_autograd``)
     when a gradient will flow back through ``tensors``; else the bare launcher, whose host
-    cost is the Triton launch alone (H200, rms_norm forward on 16384 x 4096 bf16: 42 us of
-    host time, against 72 us through the registered op and ~165 us through autograd).
+    cost is the Triton launch alone (benchmarks/host_overhead.py compares the three).
     """
     if tracing(next(t for t in tensors if t is not None)):
         return op

@@ -15,9 +15,8 @@ from torch import Tensor
 
 from onepass.ops._launch import cdiv, launch
 
-# [partials, columns] tile a program sums at a time. H200, 264 x 4096 fp32 (CUDA graph, the
-# partials in L2 as after the kernel that wrote them): 64 x 16 on 4 warps 2.6 us, 64 x 32 on
-# 4 warps 3.2, 128 x 16 on 8 warps 2.5, 512 x 16 on 4 warps 2.6 (a one-off sweep).
+# [partials, columns] tile a program sums at a time; the partials are still in L2 from the kernel that wrote them.
+# Chosen by a one-off sweep whose script is not in the tree (numbers in CHANGELOG.md); within 0.1 us of the best.
 BLOCK_P, BLOCK_C, NUM_WARPS = 64, 16, 4
 
 

@@ -56,14 +56,9 @@ SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU = {"tanh": GELU_TANH, "none": GELU_ERF}
 GATED_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}  # names -> ids
 
-# Tile settings: (BLOCK_M, BLOCK_N, num_warps). Without a bias the tensors are viewed as
-# one long row (TILE_FLAT). With a bias, backward programs loop down their columns
-# (BIAS_BWD_PROGRAMS_PER_SM programs a SM), one fp32 partial row of the bias gradient each.
-# H200, bf16 16384 x 8192 (benchmarks/tune_rowwise.py): swiglu flat 2048/8 warps fwd 0.189 ms,
-# bwd 0.315 ms (100% of copy bandwidth; 4096/8: 0.192, 0.316); bias_gelu 32x256/4 warps fwd
-# 0.137 ms (1x4096/8: 0.146); bias backward 4x2048/8 warps, 4 programs a SM, 0.213 ms = 92% of
-# copy (2x2048/4: 0.214, 4x4096/16: 0.218, 8x2048/8: 0.228, 16x512/4: 0.239; one tile a
-# program with a [M / 16, N] partial buffer summed by torch took 0.241 + 0.017 ms).
+# (BLOCK_M, BLOCK_N, num_warps). Without a bias the tensors are one long row (TILE_FLAT); with one, backward programs
+# loop down their columns (BIAS_BWD_PROGRAMS_PER_SM a SM), one fp32 partial row of the bias gradient each. Swept by
+# benchmarks/tune_rowwise.py activation (no committed log; numbers in CHANGELOG.md); now: results/h200/activation.md.
 TILE_FLAT = (1, 2048, 8)
 TILE_BIAS = (32, 256, 4)
 TILE_BIAS_BWD = (4, 2048, 8)

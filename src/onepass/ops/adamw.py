@@ -13,10 +13,8 @@ launch, a grid of (blocks of a tensor, tensors), and each program finds its four
 as element offsets from one base tensor (a table of [tensors, 4] offsets, copied to the
 device each step: the gradients are new tensors every step). The offsets carry a
 divisibility hint when every address is 16-byte aligned (the caching allocator's are), so
-the loads are 16-byte vectors; without it they are scalar. H200, Llama-3.2-1B's 146
-tensors in bf16 (1.24 B values, 17.3 GB a step, .scratch measurement): 4.11 ms (4.21 TB/s,
-98% of a copy of the same bytes) against torch.optim.AdamW(fused=True) 6.88 ms; without
-the hint 5.46 ms at 1024 values a program and 17.8 ms at 2048.
+the loads are 16-byte vectors; without it they are scalar, and slower. The step
+against torch.optim.AdamW: `onepass bench ops --suite optim`, benchmarks/results/h200/optim.md.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ from onepass import reference
 from onepass.ops._launch import FLOAT_DTYPES, cdiv, is_number, launch, use_triton
 from onepass.reference.optim import bias_corrections
 
-# Launch tunables (H200, bf16, see the module docstring): values a program, warps.
+# Values a program, warps: fixed (memory-bound, 16-byte loads); measured on an H200 only by a script not in the
+# tree (numbers in CHANGELOG.md); the op's current time: benchmarks/results/h200/optim.md.
 BLOCK = 1024
 NUM_WARPS = 4
 ALIGNMENT = 16  # bytes: the offsets' hint, when every address is a multiple of it

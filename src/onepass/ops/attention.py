@@ -35,22 +35,20 @@ masked tiles before (sliding window), unmasked tiles in the middle, masked tiles
 query sees are never visited. A run that holds no tile for the call is not compiled at all:
 the leading one without a bound on its side, the trailing one without a bound on its side
 when the looped axis is whole tiles (``WHOLE_TILES``: not varlen, a multiple of the tile;
-the dK/dV kernel loops over queries, so there the forward's bounds swap sides). H200,
-Llama-3.2-1B's attention: dK/dV 363 -> 353 us (ptxas: 408 -> 328 bytes spilled), forward
-189 -> 184; non-causal at that shape dQ 361 -> 341; outputs bit-identical.
+the dK/dV kernel loops over queries, so there the forward's bounds swap sides); fewer
+spills, outputs bit-identical (benchmarks/results/h200/attention_empty_runs.log).
 
 Program order (every kernel): chunks of heads whose re-read tiles fit in L2; inside a chunk,
 block by block across its heads, the heaviest blocks first (causal: the last query blocks,
-the first key blocks), so the short ones fill the tail. At Llama-3.2-1B's attention (H200),
-against one head's blocks after another, the dK/dV kernel went from 499 to 407 us at the
-same settings (365 at the settings swept afterwards), dQ 217 -> 204, the forward 200 -> 186.
+the first key blocks), so the short ones fill the tail (faster than one head's blocks after
+another in every kernel; the A/B is in CHANGELOG.md, "Measurement history moved from src/ comments").
 
 Backward (FA2, no atomics), two kernels: one over query blocks accumulates dQ, and first
 computes its block's delta (read of O and dO it mostly has in hand) and stores it; then one
 over key blocks accumulates dK and dV in registers, looping over the query blocks and over
 all q heads of its kv group (so GQA needs no per-q-head dK/dV copies and no reduction
-afterwards), reading that delta. A separate preprocess kernel for delta (FlashAttention's
-way) cost 19 us a layer at Llama-3.2-1B's attention in the H200 train step (0.3 ms a step).
+afterwards), reading that delta. This saves FlashAttention's separate preprocess kernel for
+delta (benchmarks/results/h200/attention_bwd_delta.log).
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
@@ -87,90 +85,42 @@ from onepass.ops._launch import (
     unit_stride,
     use_triton_dot,
 )
+from onepass.ops.attention_tiles import (
+    LOG2E,
+    load_rows,
+    online_softmax_tiles,
+    row_offsets,
+    scores,
+    softmax_finish,
+    store_rows,
+    visible,
+)
 from onepass.reference.attention import window_bounds
 
 MAX_HEAD_DIM = 256
-# Programs run in chunks of heads whose re-read tiles (K and V for the forward and dQ, Q and
-# dO for dK/dV) take at most L2_CHUNK_BYTES, so they stay in L2 while the chunk runs; with
-# causal masks (programs of unequal work), chunks of at least CHUNK_WAVES programs a
-# multiprocessor, so the heaviest-first order inside a chunk has short programs to fill its
-# tail. H200, bf16, each kernel's time (.scratch sweep of 0 / 2 / 8 / 16 / 32 / 64 MiB /
-# all heads in one chunk): head dim 128, B16 S1024 full fwd+bwd 2.87-2.88 ms at 0-8 MiB
-# against 3.00 all in one chunk, B4 S4096 causal 5.25 at 8 MiB against 5.71; head dim 64 at
-# Llama-3.2-1B's shape, dK/dV (16 key blocks a head) 505 us in chunks of 4 kv heads (half a
-# wave of programs), 482 in chunks of 8, 361 in chunks of 16 or more; chunks of 2 waves
-# (17 + 15 kv heads) 389 on another H200, of 4 waves (here all 32 kv heads) 365.
+# Heads run in chunks whose re-read tiles (K, V for fwd and dQ; Q, dO for dK/dV) fit in L2_CHUNK_BYTES of L2;
+# causal chunks (unequal programs) hold at least CHUNK_WAVES programs an SM, so short blocks fill the tail.
+# Depends on the L2 size and SM count; the sweep's script is not in the tree, its numbers are in CHANGELOG.md.
 L2_CHUNK_BYTES = 8 * 2**20
 CHUNK_WAVES = 4
 
-# Launch settings per kernel and padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
-# BLOCK_M walks queries, BLOCK_N keys: the forward and dQ kernels own BLOCK_M queries and
-# loop over BLOCK_N keys; the dK/dV kernel owns BLOCK_N keys and loops over BLOCK_M queries.
-# Not yet timed on a GPU. Chosen from an sm_90a build of each candidate (Triton 3.6, causal
-# bf16, 16-byte-aligned arguments as at launch): pipelined (cp.async), shared memory under
-# 227 KB, and the fewest register spills (ptxas -v). Head dim 128: fwd 128x64/8w/3st 187
-# registers, no spill (4 warps: 404 B spilled); dK/dV 32x128/8w/3st 204 B spilled (16x128:
-# 4 B, 64x64: 808 B); dQ 128x64/8w/3st no spill. To be swept on the H200 (head dims up to 64
-# use the 64 row); the sweep edits this table and nothing else.
-# Head dim 64 from an H200 sweep at Llama-3.2-1B's attention (B4 S2048 32/8 heads, causal,
-# bf16; benchmarks/tune_attention_d64.py, each kernel's own time): fwd 64x64/4 warps/3 stages
-# 192 us (128x64/8: 192, 128x128/8: 261); dK/dV 32x128/4/3 364 us (32x64/4: 406, 64x64/4:
-# 439, 64x128/8: 489; 4 or 5 stages slower); dQ 64x64/4/3 200 us (64x32/4: 202, 128x64/8: 257).
-# cuDNN through SDPA in the same run: fwd 181 us, bwd 564 us (ours 582 with the preprocess).
-# Measured and dropped: the wgmma A operands (dK/dV's k and v, the forward's q, dQ's q and dO)
-# held in registers instead of shared memory: slower at every setting (dK/dV 430 against 365 us;
-# benchmarks/results/h200/attention_rs_operands.log).
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per kernel and padded head dim (up to 64: the 64 row).
+# Head dim 64: timed on an H200 by benchmarks/tune_attention_d64.py (results/h200/tune_attention_d64.log); 128
+# and 256 are untimed, the fewest ptxas spills of an sm_90a build within shared memory (candidates: CHANGELOG.md).
 CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
     "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
     "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
 }
-# dQ has its own kernel over query blocks (it recomputes the scores and dP: 3.5x the
-# forward's FLOPs in all, no atomics). Measured and dropped: each key block's share added
-# into an fp32 buffer with atomics inside the dK/dV kernel (FlashAttention-2's way: 2.5x the
-# forward's FLOPs, plus the atomic traffic and one cast). H200, bf16, 32 heads of 128, 16384
-# tokens, fwd+bwd: the separate kernel 9.95 / 5.50 ms at S=4096 full / causal and 39.3 /
-# 19.8 ms at S=16384, the atomics 11.4 / 6.30 and 44.1 / 22.2 ms. Head dim 64 at
-# Llama-3.2-1B's attention: the dK/dV kernel with atomics 728 us, against 364 + 200 apart.
+# dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
+# FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
 # The interpreter: small tiles (so short test sequences cross tile edges), M != N on purpose.
 INTERPRETER_CONFIGS = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
 
-LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(z) = exp2(z * log2(e))
-
 # ----------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _tanh(x):
-    # through exp2: runs the same in the interpreter and on sm_90 (no libdevice)
-    return 1.0 - 2.0 / (tl.exp2(x * (2 * LOG2E)) + 1.0)
-
-
-@triton.jit
-def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
-    """Scores in log2 units from raw dot products; also tanh(.) for the softcap derivative."""
-    if SOFTCAP:
-        t = _tanh(qk * (scale / softcap))
-        s = t * (softcap * LOG2E)
-    else:
-        t = qk
-        s = qk * (scale * LOG2E)
-    return s, t
-
-
-@triton.jit
-def _visible(qi, kj, seqlen_q, seqlen_k, offset, before, after,
-             BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr):
-    """Which (query, key) pairs attend; qi and kj broadcast against each other."""
-    ok = (qi < seqlen_q) & (kj < seqlen_k)
-    if BOUND_BEFORE:
-        ok &= kj >= qi + offset - before
-    if BOUND_AFTER:
-        ok &= kj <= qi + offset + after
-    return ok
 
 
 @triton.jit
@@ -243,70 +193,6 @@ def _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen, n_blocks, chunk_head
 
 
 @triton.jit
-def _arange(n: tl.constexpr, LONG: tl.constexpr):
-    """Row offsets inside one sequence: int32 (half the registers of the tile pointers' math)
-    unless a sequence spans 2**31 elements; the base pointers are always int64."""
-    offs = tl.arange(0, n)
-    if LONG:
-        offs = offs.to(tl.int64)
-    return offs
-
-
-@triton.jit
-def _load_rows(base, rows, row_stride, offs_d, n_rows, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """A [rows, BLOCK_D] tile (rows: indices from the sequence start); zero outside."""
-    ptrs = base + rows[:, None] * row_stride + offs_d[None, :]
-    if CHECK_ROWS:
-        return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-
-
-@triton.jit
-def _store_rows(base, rows, row_stride, offs_d, n_rows, value, HEAD_DIM: tl.constexpr):
-    mask = (rows < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tl.store(base + rows[:, None] * row_stride + offs_d[None, :], value.to(base.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_row_stride, v_row_stride, start, end, q_idx, offs_n, offs_d,
-               seqlen_q, seqlen_k, offset, before, after, scale, softcap,
-               MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over the key tiles [start, end): rescale acc, l, m per tile."""
-    for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        k = _load_rows(k_base, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
-        s, _ = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
-        if MASKED:
-            ok = _visible(q_idx[:, None], cols[None, :], seqlen_q, seqlen_k, offset, before, after,
-                          BOUND_BEFORE, BOUND_AFTER)
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:  # a row with nothing visible yet keeps m = -inf: subtract 0 instead
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _softmax_finish(acc, l_i, m_i):
-    """(output, natural-log LSE) of the online softmax; a row that saw no key gets 0 and -inf."""
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / LOG2E)
-    return acc / l_safe[:, None], lse
-
-
-@triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
@@ -324,13 +210,13 @@ def _attn_fwd_kernel(
     offset = seqlen_k - seqlen_q
     b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
     start_m = m_block * BLOCK_M
-    offs_m = start_m + _arange(BLOCK_M, LONG)
-    offs_n = _arange(BLOCK_N, LONG)
+    offs_m = start_m + row_offsets(BLOCK_M, LONG)
+    offs_n = row_offsets(BLOCK_N, LONG)
     offs_d = tl.arange(0, BLOCK_D)
     q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
     k_base = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
     v_base = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
-    q = _load_rows(q_base, offs_m, q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
+    q = load_rows(q_base, offs_m, q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -338,20 +224,23 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
                                           BOUND_BEFORE, BOUND_AFTER)
     if BOUND_BEFORE:  # (else no key tile lies before the unmasked run: see _tile_runs)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, offs_m,
-                                   offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
-                                   True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, offs_m,
-                               offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
-                               False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        acc, l_i, m_i = online_softmax_tiles(
+            acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, offs_m, offs_n, offs_d,
+            seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+            True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    acc, l_i, m_i = online_softmax_tiles(
+        acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, offs_m, offs_n, offs_d,
+        seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+        False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     if BOUND_AFTER or not WHOLE_TILES:  # (else the unmasked run reaches the last key)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, offs_m,
-                                   offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
-                                   True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        acc, l_i, m_i = online_softmax_tiles(
+            acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, offs_m, offs_n, offs_d,
+            seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+            True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
 
-    o, lse = _softmax_finish(acc, l_i, m_i)
+    o, lse = softmax_finish(acc, l_i, m_i)
     o_base = o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s
-    _store_rows(o_base, offs_m, o_stride_s, offs_d, seqlen_q, o, HEAD_DIM)
+    store_rows(o_base, offs_m, o_stride_s, offs_d, seqlen_q, o, HEAD_DIM)
     tl.store(lse_ptr + b64 * lse_stride_b + h64 * lse_stride_h + row64 + offs_m, lse, mask=offs_m < seqlen_q)
 
 
@@ -371,14 +260,14 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_
     orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
-        q = _load_rows(q_base, rows, q_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
-        do = _load_rows(do_base, rows, do_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
+        q = load_rows(q_base, rows, q_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
+        do = load_rows(do_base, rows, do_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
         lse = _load_lse(lse_base, rows, rows, seqlen_q)
         delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
-        sT, tT = _scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), scale, softcap, SOFTCAP)
+        sT, tT = scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), scale, softcap, SOFTCAP)
         if MASKED:
-            ok = _visible(rows[None, :], k_idx[:, None], seqlen_q, seqlen_k, offset, before, after,
-                          BOUND_BEFORE, BOUND_AFTER)
+            ok = visible(rows[None, :], k_idx[:, None], seqlen_q, seqlen_k, offset, before, after,
+                         BOUND_BEFORE, BOUND_AFTER)
             sT = tl.where(ok, sT, float("-inf"))
         pT = tl.exp2(sT - lse[None, :])
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -411,13 +300,13 @@ def _attn_bwd_dkdv_kernel(
     offset = seqlen_k - seqlen_q
     b64, hk64, row64 = b.to(tl.int64), hk.to(tl.int64), row_start.to(tl.int64)
     start_n = n_block * BLOCK_N
-    k_idx = start_n + _arange(BLOCK_N, LONG)
-    offs_m = _arange(BLOCK_M, LONG)
+    k_idx = start_n + row_offsets(BLOCK_N, LONG)
+    offs_m = row_offsets(BLOCK_M, LONG)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s, k_idx,
-                   k_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
-    v = _load_rows(v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s, k_idx,
-                   v_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
+    k = load_rows(k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s, k_idx,
+                  k_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
+    v = load_rows(v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s, k_idx,
+                  v_stride_s, offs_d, seqlen_k, True, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # the queries that see this key block: the forward's bounds with the roles swapped
@@ -443,10 +332,10 @@ def _attn_bwd_dkdv_kernel(
                                  before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
                                  BLOCK_M, BLOCK_D, PRECISION)
     rows = k_idx
-    _store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
-                seqlen_k, dk * scale, HEAD_DIM)
-    _store_rows(dv_ptr + b64 * dv_stride_b + hk64 * dv_stride_h + row64 * dv_stride_s, rows, dv_stride_s, offs_d,
-                seqlen_k, dv, HEAD_DIM)
+    store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
+               seqlen_k, dk * scale, HEAD_DIM)
+    store_rows(dv_ptr + b64 * dv_stride_b + hk64 * dv_stride_h + row64 * dv_stride_s, rows, dv_stride_s, offs_d,
+               seqlen_k, dv, HEAD_DIM)
 
 
 @triton.jit
@@ -457,12 +346,12 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_row_stride, v_row_stride,
     """dQ of one query block from the key tiles [start, end)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_base, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
-        v = _load_rows(v_base, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
-        s, t = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
+        k = load_rows(k_base, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
+        v = load_rows(v_base, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
+        s, t = scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
         if MASKED:
-            ok = _visible(q_idx[:, None], cols[None, :], seqlen_q, seqlen_k, offset, before, after,
-                          BOUND_BEFORE, BOUND_AFTER)
+            ok = visible(q_idx[:, None], cols[None, :], seqlen_q, seqlen_k, offset, before, after,
+                         BOUND_BEFORE, BOUND_AFTER)
             s = tl.where(ok, s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -494,15 +383,15 @@ def _attn_bwd_dq_kernel(
     offset = seqlen_k - seqlen_q
     b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
     start_m = m_block * BLOCK_M
-    q_idx = start_m + _arange(BLOCK_M, LONG)
+    q_idx = start_m + row_offsets(BLOCK_M, LONG)
     rows = q_idx
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s, rows, q_stride_s, offs_d,
+    q = load_rows(q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s, rows, q_stride_s, offs_d,
+                  seqlen_q, True, HEAD_DIM, BLOCK_D)
+    do = load_rows(do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s, rows, do_stride_s, offs_d,
                    seqlen_q, True, HEAD_DIM, BLOCK_D)
-    do = _load_rows(do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s, rows, do_stride_s, offs_d,
-                    seqlen_q, True, HEAD_DIM, BLOCK_D)
-    o = _load_rows(o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s, rows, o_stride_s, offs_d,
-                   seqlen_q, True, HEAD_DIM, BLOCK_D)
+    o = load_rows(o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s, rows, o_stride_s, offs_d,
+                  seqlen_q, True, HEAD_DIM, BLOCK_D)
     stats = b64 * lse_stride_b + h64 * lse_stride_h + row64 + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
@@ -514,7 +403,7 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
                                           BOUND_BEFORE, BOUND_AFTER)
-    offs_n = _arange(BLOCK_N, LONG)
+    offs_n = row_offsets(BLOCK_N, LONG)
     if BOUND_BEFORE:
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, q_idx, offs_n,
                        offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE,
@@ -526,8 +415,8 @@ def _attn_bwd_dq_kernel(
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, q_idx, offs_n,
                        offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE,
                        BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
-    _store_rows(dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s, rows, dq_stride_s, offs_d,
-                seqlen_q, dq * scale, HEAD_DIM)
+    store_rows(dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s, rows, dq_stride_s, offs_d,
+               seqlen_q, dq * scale, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------- launchers

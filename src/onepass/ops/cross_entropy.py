@@ -24,15 +24,9 @@ Byte budget (R rows of V logits, element size s), forward and backward together:
 One kernel reads each row twice: pass 1 keeps the row's running max and sum-exp (one
 exp an element, block reductions), the sum of z (smoothing) and the argmax; pass 2 walks
 the row backwards, so the blocks pass 1 read last are still in L2, and writes the
-gradient. H200, 8192 x 128256 bf16, fwd+bwd: 1.51 ms, the time of those three passes at
-the copy bandwidth. Measured and dropped (benchmarks/tune_loss.py and earlier sweeps):
-per-lane running max/sum vectors instead of block reductions, 1.60 ms; the row's first
-16-64K logits read once and held in registers to pass 2 (2.75 passes instead of 3), 1.87
-ms at best (fewer rows in flight, spills beyond 16K); a single read, each row split over
-a team of programs that exchange partial max/sum through global memory, waiting for each
-other (ticket-ordered so it cannot hang): 1.8-4.6 ms (the publish-wait-combine latency
-per segment dominates); programs looping over rows, 1-3 an SM so fewer rows sit between
-the two passes: 1.75 ms at best; evict_last hints on each row's tail: 1.7-2.2 ms.
+gradient, in about the time of those three passes at the copy bandwidth (benchmarks/results/h200/loss.md).
+Alternatives measured slower and dropped (per-lane statistics, a row held in registers, a row split
+over a team of programs, programs looping over rows, cache hints) are listed in CHANGELOG.md.
 
 The gradient is computed in the forward as if the loss's upstream gradient were 1
 (Liger's trick: the logits are not read again in backward); the backward multiplies it
@@ -81,21 +75,15 @@ from onepass.ops._launch import (
 
 REDUCTIONS = ("mean", "sum", "none")
 
-# Tunables (one place, for the GPU sweep): columns of a row a program handles per step
-# (one warp a 512), when the gradient is written (two reads and a write a row) and when
-# not (one read). H200 kernel times, 8192 x 128256 bf16 with the gradient: 8192 x 16 warps
-# 1.510-1.524 ms, 4096 x 8 1.524-1.534, 2048 x 4 1.537-1.550, 8192 x 8 1.734, 16384 x 16
-# 1.931, 32768 x 32 1.720; 4096 x 128256 fp32: 8192 x 16 1.487, 4096 x 16 1.512, 4096 x 8
-# 1.545; 8192 x 32000 fp32: 0.654 / 0.697 / 0.727. Without the gradient (bf16 forward):
-# 4096 x 8 0.613 ms, 8192 x 16 0.691.
+# Columns of a row a program handles per step (one warp a 512), with the gradient written (two reads and a write
+# a row) and without (one read); they depend on the row length and the GPU. Swept by benchmarks/tune_loss.py ce
+# (H200 numbers in CHANGELOG.md, H100's in results/h100-80gb-hbm3/tune_ce.log).
 CE_MAX_BLOCK = 8192
 CE_MAX_BLOCK_NO_GRAD = 4096
 CE_MAX_WARPS = 16
-# With the gradient the best setting differs between the two Hopper GPUs measured, so it is
-# looked up by name (the defaults above elsewhere): (max block, max warps). H100 80GB HBM3, 8192
-# x 128256 bf16 kernel times: 32768 x 32 warps 1.938 ms, 8192 x 16 2.100, 8192 x 8 2.092, 4096 x
-# 8 2.147, 16384 x 16 2.204 (Liger's 1.921; results/h100-80gb-hbm3/tune_ce.log), where the H200
-# (above) runs 32768 x 32 14% slower than 8192 x 16.
+# With the gradient the best (max block, max warps) differs between Hopper GPUs, so it is looked up by GPU name (the
+# defaults above elsewhere): benchmarks/tune_loss.py ce, results/h100-80gb-hbm3/tune_ce.log; checked against the
+# default by benchmarks/check_ce_settings.py, results/h100-80gb-hbm3/check_ce_settings.log.
 CE_GRAD_BY_DEVICE = {"H100": (32768, 32)}
 TARGET_BLOCK = 1024  # targets counted per program by the check kernel
 
@@ -239,9 +227,8 @@ def _cross_entropy_fwd_kernel(
     if WRITE_GRAD:
         # Pass 2, backwards through the row (its last blocks are the likeliest still in
         # L2); in place when grad_ptr is x_ptr: each block is read before it is written.
-        # Neither a load ahead nor evict_first pays here (H200, 8192 x 128256 bf16, kernel
-        # 1.511 ms: 1.530 with both, 4096 x 8 warps). The gradient rows have x's stride
-        # (ALIGN is 1 otherwise), so the same positions address them.
+        # Neither a load ahead nor evict_first pays here (measured slower: CHANGELOG.md). The gradient
+        # rows have x's stride (ALIGN is 1 otherwise), so the same positions address them.
         g_al = grad_ptr + row * grad_row_stride // ALIGN * ALIGN
         scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
         if MEAN:
@@ -324,15 +311,15 @@ def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reductio
     # 16-byte loads and stores: Triton sees them itself when the row length and strides are
     # multiples of 16 (it specializes such integers); other rows take the kernel's head /
     # groups / tail split, which needs 16-byte-aligned tensors and one stride for x and the
-    # gradient. H200, 8192 x 50257 bf16: 1.186 -> 0.703 ms; at 128256 the split would cost
-    # 7% (more registers), hence ALIGN = 1 there.
+    # gradient. Rows that Triton already sees aligned (128256) take ALIGN = 1: the split's registers would slow them
+    # (numbers in CHANGELOG.md).
     rows_of = (x2, grad2) if write_grad else (x2,)
     strides = {r.stride(0) for r in rows_of}
     seen_by_triton = n_cols % 16 == 0 and all(stride % 16 == 0 for stride in strides)
     splittable = len(strides) == 1 and all(r.data_ptr() % 16 == 0 for r in rows_of)
     align = 16 // x2.element_size() if splittable and not seen_by_triton else 1
-    # the GPU's own setting for whole rows only: the split's registers make the H100's spill
-    # (H100, 8192 x 50257 bf16: 1.437 ms against 1.299 with the default; 32000, whole rows: 1.036 against 1.402)
+    # the GPU's own setting for whole rows only: with the split's registers it was slower (numbers in CHANGELOG.md);
+    # benchmarks/check_ce_settings.py checks both kinds of row (results/h100-80gb-hbm3/check_ce_settings.log)
     block, num_warps = ce_settings(n_cols, write_grad, x2.device if align == 1 else None)
     launch(_cross_entropy_fwd_kernel, (rows,),
         x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else lse, counts, scale,
@@ -471,7 +458,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(grad)
     ctx.mark_non_differentiable(lse, pred, grad)
     # no zero-filled gradients for the outputs nobody differentiates (a gradient-sized
-    # zeros tensor for the saved gradients otherwise: seen as 2x the memory on an H200)
+    # zeros tensor for the saved gradients otherwise: twice the gradients' memory)
     ctx.set_materialize_grads(False)
 
 

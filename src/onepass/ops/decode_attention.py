@@ -13,9 +13,8 @@ partial output and LSE per row and split (fp32); a second kernel merges the spli
 
     o = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
 
-With one split the program writes o itself and there is no second launch (H200, Llama-3.2-1B
-heads, a 384-position cache at length 256: batch 8 5.56 us against 6.52 with two splits and
-the merge; batch 1 4.72 against 4.80; benchmarks/results/h200/decode_attention_splits.log).
+With one split the program writes o itself and there is no second launch
+(benchmarks/results/h200/decode_attention_splits.log).
 
 Byte budget (B batch, Hk kv heads, L valid positions, head dim D, element size e):
 
@@ -52,14 +51,17 @@ from onepass.ops._launch import (
     unit_stride,
     use_triton,
 )
-from onepass.ops.attention import MAX_HEAD_DIM, _arange, _fwd_tiles, _softmax_finish, block_d_for, precision_for
+from onepass.ops.attention import MAX_HEAD_DIM, block_d_for, precision_for
+from onepass.ops.attention_tiles import online_softmax_tiles, row_offsets, softmax_finish
 
-# (BLOCK_N, num_warps, num_stages) per padded head dim (head dims up to 64 use the 64
-# row): starting points, to be swept on the H200 with the decode benchmark.
+# (BLOCK_N, num_warps, num_stages) per padded head dim (up to 64: the 64 row): untimed starting points that
+# no script in benchmarks/ sweeps yet (`onepass bench ops --suite attention` times the decode shapes).
 DECODE_CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 FP32_CONFIG = (32, 4, 2)  # fp32 inputs (tests on a GPU): FMA dots, shared memory in bounds at D = 256
 INTERPRETER_CONFIG = (16, 1, 1)
-MIN_SPLIT_TOKENS = 256  # H200, batch 1, 4k cache: 16 splits 38.1% of copy, 32 splits 34.9%
+# Fewest cache positions a split takes: shorter splits cost more in merging than they add in parallelism
+# (benchmarks/tune_decode.py, no committed table; the numbers behind 256 are in CHANGELOG.md).
+MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
 MERGE_WARPS = 4
@@ -98,11 +100,11 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     # token t sits at position seqlen - Tq + t: attention's bottom-right causal mask with S_q = Tq
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptr + b64 * k_stride_b + hk64 * k_stride_h,
-                               v_ptr + b64 * v_stride_b + hk64 * v_stride_h, k_stride_s, v_stride_s, lo, hi, t,
-                               _arange(BLOCK_N, LONG), offs_d, n_tokens, seqlen, seqlen - n_tokens, 0, 0,
-                               scale, softcap, True, False, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
-    o, lse = _softmax_finish(acc, l_i, m_i)
+    acc, l_i, m_i = online_softmax_tiles(
+        acc, l_i, m_i, q, k_ptr + b64 * k_stride_b + hk64 * k_stride_h, v_ptr + b64 * v_stride_b + hk64 * v_stride_h,
+        k_stride_s, v_stride_s, lo, hi, t, row_offsets(BLOCK_N, LONG), offs_d, n_tokens, seqlen, seqlen - n_tokens,
+        0, 0, scale, softcap, True, False, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    o, lse = softmax_finish(acc, l_i, m_i)
     if DIRECT:  # one split: o is the output
         tl.store(o_ptr + b64 * o_stride_b + h64[:, None] * o_stride_h + t[:, None] * o_stride_t + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -141,9 +143,8 @@ def _decode_merge_kernel(
 
 def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_len: int) -> int:
     """Splits so that batch * kv_heads * splits is at most twice the SM count: one more
-    would start a third, mostly idle wave (H200, batch 8 x 8 kv heads, CUDA graph: 4
-    splits 84.5% of copy at a 4k cache, 103% at 32k; 5 splits 78.9% and 96.9%;
-    benchmarks/tune_decode.py)."""
+    would start a third, mostly idle wave (benchmarks/tune_decode.py checks it against the
+    best split count)."""
     want = max(1, 2 * num_programs_for(device) // max(1, batch * kv_heads))
     return max(1, min(want, cdiv(cache_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 

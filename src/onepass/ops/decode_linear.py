@@ -14,21 +14,15 @@ weights. Byte budget (element size s):
     gated MLP input        2 GEMVs + write/read gate, up + act     1 launch, read W_g, W_u; write y
     down_proj + residual   GEMV, write y, then read y, r; write    1 launch, read W, r; write y
 
-cuBLAS's matrix-vector kernels read small weights well below the copy bandwidth (H200,
-batch 1 decode step of Llama-3.2-1B: 0.4 TB/s on the 2 MiB k/v projections, 1.5 TB/s on
-the 8 MiB q/o, 3.2 TB/s on the 32 MiB MLP weights). Here each program owns BLOCK_N output
+cuBLAS's matrix-vector kernels read small weights well below the copy bandwidth, the
+smaller the further (benchmarks/results/h200/decode_linear.md). Here each program owns BLOCK_N output
 features of one weight (the q, k and v tiles are one grid) and streams their rows over K
 with ``tl.dot`` on the rows padded to BLOCK_M, so the tensor cores do the arithmetic and
 the loads are all there is; the gated form owns the same features of both weights and
 applies the activation and product before its one store; a residual is added the same way.
 
-Measured and dropped (H200, Llama-3.2-1B sizes, CUDA graph, benchmarks/results/h200/
-decode_norm_fold.log): the layer's RMSNorm folded into this launch (each program summing the
-squares of the x tiles it streams and dotting x * g, scaled by rstd at the end) made q/k/v
-17.2 us and gate/up 28.4 us against 6.1 and 18.5 without the norm, and 7.3 and 20.6 with
-onepass's rms_norm launched before: the per-step reduction and re-layout of x in the K loop
-cost ~1.4 us a step, far above the ~1.5 us a norm launch costs (bench generate 1.39 ms a step
-against 1.115).
+The layer's RMSNorm is not folded into this launch: the per-tile reduction and re-layout of x
+in the K loop cost more than the separate norm launch (benchmarks/results/h200/decode_norm_fold.log).
 
 Inference only: no autograd formula (a call that would need one raises). Rows above
 MAX_ROWS run cuBLAS (``F.linear``), which wins once the product is no longer a read of
@@ -61,24 +55,16 @@ from onepass.ops._launch import (
 from onepass.ops.activation import GATED_ACTIVATIONS, _act_and_grad
 from onepass.ops.attention import precision_for
 
-MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS (see below)
+MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS, which won at 64 (CHANGELOG.md)
 MAX_WEIGHTS = 3
-# Launch settings, H200, bf16, weights streamed from HBM (a CUDA graph over copies of the
-# weights larger than L2; .scratch sweep of BLOCK_N 16/32/64 x BLOCK_K 128/256/512 x 4-8 warps x
-# 4-6 stages). BLOCK_N: the widest of 64/32/16 that still gives each 2 SMs a program (fewer
-# programs leave HBM idle: Llama-3.2-1B q/k/v at 32 features 6.35 us, at 64 slower; o_proj
-# [2048, 2048] at 16 features 5.67 us, at 32 5.96). BLOCK_K: 16 KB of weight a stage at 16 and
-# 32 features, 128 for the gated pair (Llama-3.2-1B gate/up 17.7 us against 19.1 at 256;
-# Llama-3.1-8B 55.9 us, 4.2 TB/s). 4 warps, 4 stages throughout (6 stages within 1%).
-# Against cuBLAS (and onepass's swiglu after it), 1 and 8 rows: Llama-3.2-1B q/k/v 6.4 us
-# against 17.5, gate/up 17.7-18.0 against 23.0, o_proj 5.7-5.9 against 6.0, down_proj 12.8-13.5
-# against 13.8-14.3; Llama-3.1-8B q/k/v 14.7-15.2 against 29.5, gate/up 55.9-56.0 against
-# 63.0-65.8. At 64 rows the gated pair lost (30.4 us against 26.2), hence MAX_ROWS.
+# BLOCK_N: the widest of 64/32/16 that still gives every 2 SMs a program (by SM count); BLOCK_K: 16 KB of weight
+# a stage (128 for the gated pair). Swept on an H200 by a script not in the tree (numbers in CHANGELOG.md); the
+# result against cuBLAS: `onepass bench ops --suite decode_linear`, benchmarks/results/h200/decode_linear.md.
 BLOCK_K = {16: 512, 32: 256, 64: 256}
 GATED_BLOCK_K = 128
 NUM_WARPS, NUM_STAGES = 4, 4
 INTERPRETER_CONFIG = (16, 64, 1, 1)
-SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (H100/H200: 227 KiB a block)
+SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (sm_90's limit: 227 KiB a block)
 
 # ----------------------------------------------------------------------------- kernel
 

@@ -17,13 +17,10 @@ of each chunk's logits; with ``reduction="none"`` the per-token upstream gradien
 only known in backward, which then recomputes the logits (a fourth matmul).
 
 Chunk size: each chunk's dW GEMM reads and writes the whole [V, H] accumulator for 2 C V
-H flops, i.e. C / (accumulator element size) flop per byte. At the H100/H200 ridge (~200-300
-flop/B) that traffic does not hide under the math (cuBLAS's dW GEMM of a 1024-token chunk:
-1.04 ms into an fp32 accumulator, 0.89 without one); C = 512 x the element size (2048
-tokens for float32, 1024 for a 16-bit accumulator) does. Measured (H200, 8192 x 2048 x
-128256 bf16, benchmarks/tune_loss.py), the op against its three full matmuls, float32
-accumulator: 1.252x at 1024 tokens, 1.159x at 2048, 1.366x at 4096; bf16 accumulator:
-1.296x at 512, 1.175x at 1024, 1.210x at 2048. The logits buffer is freed before the
+H flops, i.e. C / (accumulator element size) flop per byte. Below the GPU's ridge (flop per
+byte of HBM, ~200-300 on Hopper) that traffic does not hide under the math; C = 512 x the
+element size (2048 tokens for float32, 1024 for a 16-bit accumulator) does (benchmarks/tune_loss.py
+lce; no committed table, the numbers are in CHANGELOG.md). The logits buffer is freed before the
 accumulator's final cast, so with float32 the peak is the accumulator plus the larger of
 the buffer and the cast: a 2048-token buffer (C V s = 0.5 GiB at this shape) costs no more
 than the cast.
@@ -34,10 +31,8 @@ accumulates dW in the weight's dtype with C ~ 256, which is why its peak is lowe
 ``accum_dtype=weight.dtype`` does the same here (C = 1024 by default, and no final cast),
 at the cost of T / C roundings of dW to 16 bits.
 
-Measured and dropped: the cross-entropy kernel on a second stream, beside the GEMMs (each
-chunk's logits and dx GEMMs in 2 or 4 row pieces, each piece's loss kernel started as soon
-as its logits are written; the same buffer). cuBLAS's GEMMs here are persistent (one CTA an
-SM), so the two never share the GPU: H100, 8192 x 2048 x 128256, 21.7-22.9 ms against 20.5-21.1
+The cross-entropy kernel runs on the GEMMs' stream: cuBLAS's GEMMs here are persistent (one CTA
+an SM), so a second stream never shares the GPU with them and was slower
 (benchmarks/tune_lce_overlap.py, results/h100-80gb-hbm3/lce_overlap.log).
 """
 
@@ -195,7 +190,7 @@ def _setup_context(ctx, inputs, output):
     loss, lse, pred, d_hidden, d_weight, d_bias = output
     ctx.mark_non_differentiable(lse, pred, d_hidden, d_weight, d_bias)
     # no zero-filled gradients for the outputs nobody differentiates (a gradient-sized
-    # zeros tensor for the saved gradients otherwise: seen as 2x the memory on an H200)
+    # zeros tensor for the saved gradients otherwise: twice the gradients' memory)
     ctx.set_materialize_grads(False)
     ctx.needs = (need_dh, need_dw, need_db)
     ctx.recompute = reduction == "none"

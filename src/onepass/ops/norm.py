@@ -23,13 +23,9 @@ Byte budget (M rows of N, element size s; the dropout mask is never stored):
     norm bwd         ~9 passes                         read dy, h; write dx     3 MNs
                                                        (+ read dh_out with add_*: 4 MNs)
 
-The forward runs one row a program. Measured and dropped (H200, 16384 x 4096 bf16, CUDA
-graph): programs looping over rows with the weight and bias kept in registers (2-16 an
-SM: 70-92 us against 66-68), the same with the next row's loads issued before this row's
-reductions (as the backward does; RMSNorm 70-78 us at 2-8 programs an SM against 66,
-LayerNorm 72-84 against 69: the row in flight raises the registers, RMSNorm 38 -> 63,
-LayerNorm 80 -> 167, so fewer programs fit an SM), LayerNorm statistics in one pass over
-shifted values (no faster than the two reductions of the row held in registers).
+The forward runs one row a program: programs looping over rows (with or without the next row's
+loads in flight) and one-pass LayerNorm statistics were no faster (benchmarks/tune_rope_layer_norm.py,
+results/h200/tune_rope_layer_norm.log; the earlier numbers are in CHANGELOG.md).
 
 The backward gives each program a contiguous run of rows and keeps its share of dw
 and db in fp32 registers; the per-program partials ([programs, N] fp32) are summed
@@ -70,13 +66,8 @@ from onepass.ops._partials import sum_partials
 
 def bwd_programs_per_sm(block: int) -> int:
     """Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
-    Rows of at most 2048 values take twice as many, to keep as many bytes in flight.
-
-    H200, bf16 rms backward with the stream's gradient (4 tensor passes; CUDA-graph replay,
-    benchmarks/tune_rowwise.py norm): 8192 x 2048 (Llama-3.2-1B's training step) 2 a SM
-    48.1 us, 3 41.6, 4 40.5, 6 47.9; 8192 x 4096 2 a SM 71.8 us, 4 76.4; 16384 x 4096 2 a SM
-    138.3 us, 4 140.7 (without the hand pipelining of the rows, 2, 4 and 8 a SM: 0.136,
-    0.146 and 0.143 ms, against 0.120 / 0.130 / 0.127 with it, in an earlier sweep).
+    Rows of at most 2048 values take twice as many, to keep as many bytes in flight. Depends on
+    the row width and SM count; evidence: benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log.
     """
     return 4 if block <= 2048 else 2
 
@@ -118,11 +109,10 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     if ONE_BLOCK:
         # The whole row lives in registers: one read of each input, one write of each output.
-        # One row a program: on the H200 (16384 x 4096 bf16) 2 or 4 rows a program, unrolled,
-        # ran 0.072 / 0.074 ms against 0.071 ms.
+        # One row a program (more rows a program, unrolled, were slower: see the module docstring).
         mask = cols < n_cols
         # weight and bias loads issued first, so they overlap the row's reduction
-        # (H200, rms 16384 x 4096 bf16: 0.0702 ms against 0.0716 ms loading them after it)
+        # (benchmarks/tune_rope_layer_norm.py ln, "wb_first" in results/h200/tune_rope_layer_norm.log)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 1.0
         b = tl.load(b_ptr + cols, mask=mask, other=0.0) if HAS_BIAS else 0.0
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
@@ -315,10 +305,8 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     res2 = as_rows(residual) if residual is not None else x2
     y2 = y.view(m, n)
     h2 = h.view(m, n) if h is not None else y2
-    # Values a thread in the forward, H200, 16384 x 4096 bf16 (CUDA graph, four interleaved
-    # rounds): LayerNorm 32 (4 warps) 68.1 us against 16 (8 warps) 72.1; RMSNorm 16 65.9 us
-    # against 32 67.0 (Liger's 65.7); add_rms_norm 32 132.4 us against 16 132.9. The backward
-    # keeps 16 (8 warps: 0.121 ms, 4 warps: 0.125 ms).
+    # Values a thread (so warps, by the row width): 16 for plain RMSNorm, 32 for LayerNorm and the add_* forms;
+    # evidence: benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log (numbers in CHANGELOG.md).
     block, num_warps = row_settings(n, values_per_thread=16 if is_rms and residual is None else 32)
     launch(_norm_fwd_kernel, (m,),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
@@ -426,7 +414,7 @@ def _setup_context(ctx, inputs, output):
     y, h, mean, rstd = output
     ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
     # Outputs with no incoming gradient (mean, rstd, an unused h) stay None rather than
-    # being filled with zeros: on an H200 host those fills cost ~130 us of CPU each.
+    # being filled with zeros, which costs host time for each.
     ctx.set_materialize_grads(False)
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual = residual is not None
@@ -565,8 +553,8 @@ def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     residual of the layer's next add): use the returned x downstream, and the gradient it
     brings back is added inside the norm's backward kernel (a read of it) rather than by
     autograd's separate add (reads of two tensors and a write; under torch.compile too, whose
-    graph otherwise keeps that add apart from the opaque norm backward: H200, Llama-3.2-1B step,
-    15 adds of 23 us). Where no gradient flows this is ``(norm(x), x)``."""
+    graph otherwise keeps that add apart from the opaque norm backward, one add a layer).
+    Where no gradient flows this is ``(norm(x), x)``."""
     if is_rms and bias is not None:
         raise ValueError("RMSNorm takes no bias")
     if not use_triton(x) or type(x) is not Tensor or not torch.is_grad_enabled() or not x.requires_grad:

@@ -51,14 +51,11 @@ from onepass.ops._launch import (
     use_triton,
 )
 
-# Launch tunables: a program rotates about TILE_ELEMENTS values (BLOCK_H heads x R dims)
-# with NUM_WARPS warps. H200, q [4,32,4096,128] k [4,8,4096,128] bf16 forward: 1024 / 1 warp
-# 0.088 ms (90% of copy), 1024 / 2: 0.090, 2048 / 4: 0.100, 4096 / 2: 0.102, 2048 / 8: 0.110.
+# A program rotates about TILE_ELEMENTS values (BLOCK_H heads x R dims) with NUM_WARPS warps; TOKEN_TILE: tokens
+# a tile when cos/sin are per batch row (see the kernel's program order). Evidence: benchmarks/tune_rope_layer_norm.py
+# rope, results/h200/tune_rope_layer_norm.log ("token-major" rows); the first sweep's numbers are in CHANGELOG.md.
 TILE_ELEMENTS = 1024
 NUM_WARPS = 1
-# Tokens a tile (see the kernel's program order) when cos/sin are per batch row. Same run,
-# [B, S, R] tables: tokens in order 91.6 us, tiles of 1 / 64 / 256 / 1024 tokens 86.4 / 87.0 /
-# 86.2 / 85.7 us; a shared [1, S, R] table: tokens in order 83.4 us, tiles of 1024 85.6 us.
 TOKEN_TILE = 1024
 
 LAYOUTS = ("bhsd", "bshd")
