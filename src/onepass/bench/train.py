@@ -23,19 +23,16 @@ back every step) leave the GPU waiting for.
 Each variant of each round runs in a fresh Python process, so nothing one variant leaves
 behind reaches the next: Liger's patch of a model instance also rebinds names in its
 transformers module (``LlamaRMSNorm``, ``LlamaMLP``, ...), so that a model built after it
-in the same process runs Liger's kernels ("eager" measured after Liger: 61.8k tokens/s at
-28.0 GiB against 54.9k at 32.1), and after torch.compile and Liger had run, the next
-variant held 2.3-2.4 GiB more memory allocated (onepass 17.1 GiB against its 14.8 in the
-other round, H200), which the row's peak (the highest of its rounds) carried.
+in the same process runs Liger's kernels, and after torch.compile and Liger had run, the next
+variant held more memory allocated, which the row's peak (the highest of its rounds) carried
+(the runs that showed both are in CHANGELOG.md).
 
 A GPU's clock under this load follows its power and temperature, so a variant's time
-depends on when in the run it is measured: on one H200, the same onepass step measured
-first in a process took 124.9 ms and third 120.2 ms, Liger's 131.3 ms second and 135.9 ms
-fourth. The run therefore heats the GPU before the first variant (``HEAT_S`` of matmuls),
+depends on when in the run it is measured (by a few percent between the first variant and
+the last; numbers in CHANGELOG.md). The run therefore heats the GPU before the first variant (``HEAT_S`` of matmuls),
 measures the variants in ``ROUNDS`` rounds, in order and then in reverse order, and reports
-for each the mean of its rounds' medians: a clock that drifts down as the GPU heats (at the
-700 W cap of an H200, 1710 MHz for the first variant and 1530 for the last, one round
-after a 20 s heat) costs every variant about the same. Each row also shows the median SM
+for each the mean of its rounds' medians: a clock that drifts down as the GPU heats (at its
+power cap) costs every variant about the same. Each row also shows the median SM
 clock and power that nvidia-smi read during its timed steps, so that what differs between
 rows besides the code is on the table.
 

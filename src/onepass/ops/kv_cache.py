@@ -2,8 +2,8 @@
 
 transformers' ``StaticLayer.update`` appends the new keys and values at its device-side
 length in five kernels (an arange, an add for the positions, the length's increment, an
-``index_copy_`` each for k and v: ~7.8 us a layer in the H200 profile of a Llama-3.2-1B decode
-step). Here one program reads the length, copies k and v [B, Hk, T, D] to positions
+``index_copy_`` each for k and v), small launches whose cost is mostly launch overhead in a
+decode step. Here one program reads the length, copies k and v [B, Hk, T, D] to positions
 [length, length + T) of the caches [B, Hk, L, D] and stores length + T: a single program
 because every copy must read the length before it grows. Sized for decode steps (a few
 thousand values); positions past the cache are not written (the caller bounds the length,
@@ -11,10 +11,9 @@ as ``onepass.Decoder`` does).
 
 Given the rotary tables, the same launch also applies RoPE (rotate-half, HF's
 ``apply_rotary_pos_emb`` on the whole head): that program to k before storing it, and more
-programs of the grid, which need no length, to blocks of q's rows, into a new tensor (with
-one program for all of q, a batch-8 decode step of Llama-3.2-1B ran 3% slower than with rope
-apart; spread, -2.3%, same-host A/B on an H200). The decode step's rope launch is thus folded
-into the append's. Per row of x and each dim i < D, with
+programs of the grid, which need no length, to blocks of q's rows, into a new tensor (one
+program for all of q made the decode step slower than rope apart; spread, faster: the A/B is in
+CHANGELOG.md). The decode step's rope launch is thus folded into the append's. Per row of x and each dim i < D, with
 the partner x[(i + D/2) mod D] and the table entries at i:
 
     out[i] = x[i] * cos[i] - partner * sin[i]     (i < D/2)

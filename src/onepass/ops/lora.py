@@ -22,9 +22,8 @@ beta = 1: the output's current values are added in fp32, rounded once):
 so [T, N] crosses HBM 3 times in forward (write, epilogue read, write) and [T, K] 3 times in
 backward beyond the GEMMs' operand reads, in 3 + 5 launches (with a frozen base), plus A's and
 B's casts when they are not in x's dtype. The rank-r GEMM goes first, so the epilogue that
-reads y is the big GEMM's, which overlaps it with its math (H200, 8192 tokens, rank 16, bf16:
-128 us against 131 the other way at 2048 -> 2048, 478 against 521 at 2048 -> 8192; the base
-GEMM alone 93 and 409 us).
+reads y is the big GEMM's, which overlaps it with its math (faster than the other order; the
+numbers are in CHANGELOG.md, the op's current times in benchmarks/results/h200/lora.md).
 
 The adapter runs in x's dtype with fp32 accumulation (A and B cast to it: [r, K] and [N, r]
 copies); its gradients are written in A's and B's own dtypes by the GEMMs themselves (fp32

@@ -50,8 +50,8 @@ from onepass.ops._launch import (
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(z) = exp2(z * log2(e))
 
-# Launch tunables, in one place for a sweep: a tile holds at least TILE_ELEMENTS scores
-# (several short rows per program), warps follow the tile as in row_settings.
+# A tile holds at least TILE_ELEMENTS scores (several short rows per program), warps follow the tile as in
+# row_settings. No script in benchmarks/ sweeps it yet; the op's times: benchmarks/results/h200/softmax.md.
 TILE_ELEMENTS = 2048
 
 NO_MASK, BOOL_MASK, ADD_MASK = 0, 1, 2

@@ -51,8 +51,8 @@ def _flex(seq_len, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # One compile per case: twelve cases through one compiled function pass dynamo's
-    # recompile limit (8), after which flex_attention silently runs unfused (H200 run of
-    # 2026-11-21: 17 TFLOP/s and a 104 GiB peak at S = 16384).
+    # recompile limit (8), after which flex_attention silently runs unfused: far slower, with
+    # the [S, S] scores in memory (the run that showed it is in CHANGELOG.md).
     torch._dynamo.reset()
     block_mask = None
     if causal:

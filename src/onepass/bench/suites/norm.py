@@ -70,7 +70,7 @@ def _liger(step, name, *args, **kwargs):
 # minimum bytes, in units of one [ROWS, HIDDEN] tensor: (forward, forward + backward).
 # add_rms_norm's backward reads dy, dh and h and writes a gradient for each of its two leaf
 # inputs (x and residual: two .grad tensors), so 5 passes; inside a model, where neither is a
-# leaf, one shared gradient makes it 4 (8 in all: the count results before session 12 used).
+# leaf, one shared gradient makes it 4 (8 in all; older results used that count: CHANGELOG.md).
 _PASSES = {"rms_norm": (2, 5), "layer_norm": (2, 5), "add_rms_norm": (4, 9)}
 
 
