@@ -8,6 +8,7 @@ from onepass.ops.decode_attention import decode_attention
 from onepass.ops.decode_linear import decode_gated_linear, decode_linear
 from onepass.ops.linear_cross_entropy import linear_cross_entropy
 from onepass.ops.lora import lora_linear
+from onepass.ops.moe import moe_experts
 from onepass.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.ops.rope import rope
 from onepass.ops.softmax import softmax
@@ -16,5 +17,5 @@ __all__ = [
     "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention",
     "decode_gated_linear",
     "decode_linear", "geglu",
-    "layer_norm", "linear_cross_entropy", "lora_linear", "rms_norm", "rope", "softmax", "swiglu",
+    "layer_norm", "linear_cross_entropy", "lora_linear", "moe_experts", "rms_norm", "rope", "softmax", "swiglu",
 ]

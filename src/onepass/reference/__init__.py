@@ -10,6 +10,7 @@ from onepass.reference.attention import attention, decode_attention
 from onepass.reference.linear import decode_gated_linear, decode_linear
 from onepass.reference.lora import lora_linear
 from onepass.reference.loss import cross_entropy, linear_cross_entropy, logsumexp_argmax
+from onepass.reference.moe import moe_experts
 from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.reference.optim import adamw_step
 from onepass.reference.rope import rope
@@ -18,5 +19,5 @@ from onepass.reference.softmax import softmax
 __all__ = [
     "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention",
     "decode_gated_linear", "decode_linear", "geglu", "gelu", "layer_norm", "linear_cross_entropy", "logsumexp_argmax",
-    "lora_linear", "rms_norm", "rope", "softmax", "swiglu",
+    "lora_linear", "moe_experts", "rms_norm", "rope", "softmax", "swiglu",
 ]
