@@ -7,12 +7,14 @@
 Pipeline: ``record`` (every aten op, its bytes, FLOPs, module, producers) -> ``fusion``
 (roofline per op, chains and the design test) -> ``report`` (table, JSON, Markdown,
 HTML). On a CUDA GPU, ``measure=True`` adds ``measure`` (profiled kernels, gaps, a Chrome
-trace, measured ceilings). Nothing here imports the rest of onepass: the onepass ops a
-report names are names.
+trace, measured ceilings). Nothing here imports the private names of the rest of onepass:
+the onepass ops a report names are names; an optimized model is told by
+``onepass.patching.is_optimized`` and recorded under ``onepass.reference_mode()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import types
@@ -25,7 +27,6 @@ from onepass.analyze.fusion import Fusion
 from onepass.analyze.gpus import GPU, GPUS, get_gpu
 from onepass.analyze.record import record
 from onepass.analyze.report import Report
-from onepass.patching import _STATE
 
 __all__ = ["analyze", "Report", "GPU", "GPUS"]
 
@@ -67,11 +68,12 @@ def analyze(model_or_fn: Union[torch.nn.Module, Callable], *example_inputs, gpu:
         raise ValueError("measure: needs real CUDA tensors; it cannot run with meta=True")
     spec = get_gpu(gpu)
     model = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
-    if model is not None and any(hasattr(m, _STATE) for m in model.modules()):
-        warnings.warn("analyze: this model is optimized by onepass, and the recorded ops are not what it runs (on "
-                      "meta or CPU tensors its PyTorch reference, on a GPU nothing of its kernels): analyze the model "
-                      "before onepass.optimize, or after onepass.undo; measure=True's profiled side does show its "
-                      "kernels", stacklevel=2)
+    optimized = model is not None and _is_optimized(model)
+    if optimized:
+        warnings.warn("analyze: this model is optimized by onepass: its ops are recorded through "
+                      "onepass.reference_mode(), the unfused PyTorch ops that its kernels replace, not the kernels; "
+                      "analyze the model before onepass.optimize, or after onepass.undo; measure=True's profiled "
+                      "side does show its kernels", stacklevel=2)
     inputs, weights = example_inputs, None
     if meta:
         inputs, kwargs = _to_meta(example_inputs), _to_meta(kwargs)
@@ -89,7 +91,8 @@ def analyze(model_or_fn: Union[torch.nn.Module, Callable], *example_inputs, gpu:
         model.train(mode == "train")
     try:
         start = time.perf_counter()
-        trace = record(step, inputs, model=model, weights=weights, mode=mode, quiet=quiet)
+        with _reference_mode() if optimized else contextlib.nullcontext():
+            trace = record(step, inputs, model=model, weights=weights, mode=mode, quiet=quiet)
         seconds = time.perf_counter() - start
         measured, trace_path = {}, None
         if measure:
@@ -104,10 +107,27 @@ def analyze(model_or_fn: Union[torch.nn.Module, Callable], *example_inputs, gpu:
             p.grad = grad
     name = title or (type(model).__name__ if model is not None else getattr(model_or_fn, "__name__", "function"))
     shapes = ", ".join("x".join(map(str, t.shape)) for t in example_inputs if isinstance(t, torch.Tensor))
+    on_meta = bool(meta) or any(isinstance(t, torch.Tensor) and t.is_meta for t in example_inputs)
+    device = "meta" if on_meta else next((t.device.type for t in _tensors_in((example_inputs, kwargs))), "cpu")
     report = Report(f"{name}, {mode}" + (f", inputs {shapes}" if shapes else ""), mode, spec, Fusion(trace, spec),
-                    bool(meta) or any(isinstance(t, torch.Tensor) and t.is_meta for t in example_inputs), seconds,
-                    measured, trace_path)
+                    on_meta, seconds, measured, trace_path, optimized=optimized, device=device)
     return report
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _is_optimized(model: torch.nn.Module) -> bool:
+    from onepass.patching import is_optimized  # (imported here: it loads the ops)
+
+    return is_optimized(model)
+
+
+def _reference_mode() -> contextlib.AbstractContextManager:
+    from onepass.patching import reference_mode
+
+    return reference_mode()
 
 
 class _CallableModule(types.ModuleType):

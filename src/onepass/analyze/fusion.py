@@ -28,6 +28,7 @@ FLOPs / peak). Then:
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -39,6 +40,11 @@ from onepass.analyze.record import Op, Trace
 _ROW_REDUCTIONS = {"aten._softmax", "aten._safe_softmax", "aten._log_softmax", "aten.native_layer_norm",
                    "aten.mean", "aten.sum", "aten.amax", "aten.logsumexp", "aten.var_mean", "aten._fused_rms_norm"}
 _MATMULS = {"aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul"}
+
+
+def pattern_of(module: str) -> str:
+    """model.layers.3.mlp -> model.layers.*.mlp: one name for what every layer repeats."""
+    return re.sub(r"\.\d+(\.|$)", r".*\1", module)
 
 
 def op_seconds(op: Op, gpu: GPU) -> float:

@@ -1,31 +1,78 @@
 """The analysis as a terminal table, JSON, Markdown and a self-contained HTML page.
 
-The roofline plot is inline SVG drawn here, so every report (HTML, or Markdown with
-``roofline.svg`` beside it) needs nothing beyond the standard library.
+The roofline plot is inline SVG (``roofline.py``), so every report (HTML, or Markdown with
+``roofline.svg`` beside it) needs nothing beyond the standard library. The terminal report
+keeps within ``WIDTH`` columns: a cell too wide wraps onto the next lines, never cut.
 """
 
 from __future__ import annotations
 
 import html
+import importlib.metadata
 import json
-import math
 import os
-import re
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from onepass.analyze.fusion import Fusion
+import torch
+
+from onepass.analyze.fusion import Fusion, pattern_of
 from onepass.analyze.gpus import GPU
+from onepass.analyze.roofline import roofline_svg
+
+# report.json's layout; raised when a key changes meaning or goes (2: versions, notes, next_step)
+SCHEMA_VERSION = 2
+WIDTH = 120  # columns of the terminal report
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f}"
 
 
-def _pattern_of(module: str) -> str:
-    """model.layers.3.mlp -> model.layers.*.mlp: one row for what every layer repeats."""
-    return re.sub(r"\.\d+(\.|$)", r".*\1", module)
+def versions() -> dict:
+    """onepass, torch, triton and transformers versions (None: not installed)."""
+    import onepass
+
+    out = {"onepass": onepass.__version__, "torch": torch.__version__}
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken at spaces; a longer word (a module
+    path) is broken after a '.', '/', ',' or '_', and only where it has none, at the width."""
+    lines = []
+    for line in textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]:
+        while len(line) > width:
+            cut = max(line.rfind(c, 0, width) for c in "./,_") + 1 or width
+            lines.append(line[:cut])
+            line = line[cut:]
+        lines.append(line)
+    return lines
+
+
+def fit_table(header: list[str], rows: list[list[str]], limit: int = WIDTH) -> list[str]:
+    """A fixed-width table of at most ``limit`` columns: the widest column gives way first (down
+    to its header's width, or 10), and its cells wrap onto the next lines rather than being cut."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    floors = [max(len(h), 10) for h in header]
+    while sum(widths) + 2 * (len(widths) - 1) > limit:
+        shrinkable = [i for i, w in enumerate(widths) if w > floors[i]]
+        if not shrinkable:
+            break
+        widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()] if any(header) else []
+    for r in rows:
+        cells = [wrap(c, w) for c, w in zip(r, widths)]
+        for k in range(max(map(len, cells))):
+            lines.append("  ".join((c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths)).rstrip())
+    return lines
 
 
 # a path ending so is one report file (``Report.write``); any other is a folder of them
@@ -42,6 +89,8 @@ class Report:
     record_seconds: float
     measured: dict = field(default_factory=dict)  # filled by measure.measure on a GPU
     trace_path: Optional[str] = None
+    optimized: bool = False  # the model was optimized by onepass: recorded through onepass.reference_mode()
+    device: str = "meta"  # where the step was recorded: meta, cpu, cuda
 
     # ------------------------------------------------------------------ numbers
     @property
@@ -71,9 +120,9 @@ class Report:
         """Chains that every layer repeats, summed: one row per (pattern, module pattern, phase)."""
         rows: dict[tuple, dict] = {}
         for c in self.fusion.chains:
-            key = (c.pattern, c.onepass_op, c.phase, _pattern_of(c.module), c.verdict)
+            key = (c.pattern, c.onepass_op, c.phase, pattern_of(c.module), c.verdict)
             row = rows.setdefault(key, {"pattern": c.pattern, "onepass_op": c.onepass_op, "phase": c.phase,
-                                        "module": _pattern_of(c.module), "verdict": c.verdict, "count": 0,
+                                        "module": pattern_of(c.module), "verdict": c.verdict, "count": 0,
                                         "saved_bytes": 0, "saved_launches": 0, "saved_ms": 0.0,
                                         "passes": c.passes, "example": c.describe(self.gpu.name),
                                         "notes": c.notes})
@@ -111,11 +160,67 @@ class Report:
                          "ms": m["step_ms"], "source": self.measured.get("device", "GPU")})
         return rows
 
+    # ------------------------------------------------------------------ words
+    def notes(self) -> list[str]:
+        """What a reader must know before reading the figures."""
+        notes = []
+        if self.optimized:
+            where = {"meta": "meta tensors", "cpu": "the CPU", "cuda": "the GPU"}.get(self.device, self.device)
+            notes.append(f"This model is optimized by onepass: the ops recorded (on {where}) are its PyTorch "
+                         "reference path (onepass.reference_mode()), the unfused ops that its kernels replace, not "
+                         "the kernels themselves. Analyze it before onepass.optimize, or after onepass.undo; a "
+                         "measured run's profiled side shows its kernels.")
+        if not self.measured:
+            notes.append("Times are estimated from the roofline (no step was measured): each op takes "
+                         f"max(bytes / bandwidth, FLOPs / peak) on {self.gpu.name}.")
+        return notes
+
+    def next_step(self) -> str:
+        """The closing summary: what the report found, and what to do next."""
+        t = self.totals()
+        measure = "measure it on a CUDA GPU (onepass analyze --measure, or analyze(..., measure=True))"
+        if self.optimized:
+            return ("Next step: analyze the model before onepass.optimize (or after onepass.undo) to see what "
+                    f"fusing saves, and {measure} to time its kernels against eager PyTorch and torch.compile.")
+        variants = self.measured.get("variants", {})
+        if "eager" in variants:
+            eager = variants["eager"]["step_ms"]
+            found = [f"eager {eager:.3g} ms a step ({eager / t['roofline_ms']:.2g}x its roofline time, "
+                     f"{t['roofline_ms']:.3g} ms)"]
+            found += [f"{name} {v['step_ms']:.3g} ms ({eager / v['step_ms']:.2f}x eager)"
+                      for name, v in variants.items() if name != "eager"]
+            idle = self.measured.get("idle_fraction", 0.0)
+            if idle > 0.2:
+                step = (f"the GPU sat idle {idle:.0%} of the eager step, waiting on the host: replay the step as "
+                        "CUDA graphs (torch.compile(mode='reduce-overhead'), or onepass.Decoder for generation)")
+            else:
+                where = self.trace_path or "trace.json"
+                step = f"open the Chrome trace ({where}) in ui.perfetto.dev to see which kernels take the time"
+            return f"Measured: {', '.join(found)}. Next step: {step}."
+        fuse = [c for c in self.fusion.chains if c.verdict == "fuse"]
+        if not fuse:
+            return (f"No chain of memory-bound ops to fuse was found. Next step: {measure} to see where the time "
+                    "goes.")
+        ops = sorted({c.onepass_op.removeprefix("onepass.ops.") for c in fuse if c.onepass_op})
+        covered = sum(1 for c in fuse if c.onepass_op)
+        text = (f"Fusing the {len(fuse)} chains found saves ~{t['saved_ms']:.3g} ms of the {t['eager_ms']:.3g} ms "
+                f"eager estimate and {t['saved_launches']} launches; onepass has ops for {covered} of them "
+                f"({', '.join(ops) or 'none'}), torch.compile fuses the rest. Next step: onepass.optimize(model) "
+                "puts onepass's ops into a Hugging Face model of a supported family "
+                f"(onepass.optimize_report(model) says what it fused), then {measure} to see achieved against "
+                "attainable time.")
+        if any(fl.kind == "launch-bound" for fl in self.fusion.flags):
+            text += " Regions flagged launch-bound gain more from CUDA graphs than from fusion."
+        return text
+
     # ------------------------------------------------------------------ outputs
     def to_dict(self) -> dict:
         f = self.fusion
         return {
-            "title": self.title, "mode": self.mode, "meta_tensors": self.meta, "gpu": self.gpu.to_dict(),
+            "schema_version": SCHEMA_VERSION, "versions": versions(),
+            "title": self.title, "mode": self.mode, "meta_tensors": self.meta, "recorded_on": self.device,
+            "optimized_model": self.optimized, "times": "measured" if self.measured else "estimated",
+            "notes": self.notes(), "next_step": self.next_step(), "gpu": self.gpu.to_dict(),
             "record_seconds": self.record_seconds, "totals": self.totals(), "variants": self.variants(),
             "chains": [c.to_dict(self.gpu.name) for c in f.chains], "grouped_chains": self.grouped_chains(),
             "flags": [fl.to_dict() for fl in f.flags], "layers": self.layers(), "measured": self.measured,
@@ -139,14 +244,16 @@ class Report:
                    ["eager estimate (with launch overhead)", f"{t['eager_ms']:.3f} ms"],
                    ["fusing the chains below saves",
                     f"{_mb(t['saved_bytes'])} MB, {t['saved_launches']} launches, {t['saved_ms']:.3f} ms"]]
-        chains = [[str(r["count"]), r["pattern"] + (" (bwd)" if r["phase"] == "backward" else ""), r["module"],
-                   r["onepass_op"] or "-", f"{r['passes'][0]:.3g} -> {r['passes'][1]:.3g}",
-                   _mb(r["saved_bytes"]), str(r["saved_launches"]), f"{r['saved_ms']:.3f}", r["verdict"]]
+        chains = [[str(r["count"]), r["pattern"] + (" (bwd)" if r["phase"] == "backward" else "")
+                   + ("" if r["verdict"] == "fuse" else f" ({r['verdict']})"), r["module"],
+                   (r["onepass_op"] or "-").removeprefix("onepass.ops."),
+                   f"{r['passes'][0]:.3g} -> {r['passes'][1]:.3g}",
+                   _mb(r["saved_bytes"]), str(r["saved_launches"]), f"{r['saved_ms']:.3f}"]
                   for r in self.grouped_chains()[:top]]
         flags: dict[tuple, list] = {}
         for fl in self.fusion.flags:
-            key = (fl.kind, _pattern_of(fl.where))
-            row = flags.setdefault(key, [fl.kind, _pattern_of(fl.where), 0, 0.0, fl.detail])
+            key = (fl.kind, pattern_of(fl.where))
+            row = flags.setdefault(key, [fl.kind, pattern_of(fl.where), 0, 0.0, fl.detail])
             row[2] += 1
             row[3] += fl.seconds * 1e3
         flag_rows = [[k, w, str(n), f"{ms:.3f}", d] for k, w, n, ms, d in
@@ -159,7 +266,7 @@ class Report:
         sections = [
             ("Summary", ["", ""], summary),
             ("Fusion opportunities (ranked by time saved)",
-             ["n", "chain", "where", "onepass op", "passes", "saves MB", "launches", "saves ms", "verdict"], chains),
+             ["n", "chain", "where", "onepass.ops", "passes", "saves MB", "launches", "saves ms"], chains),
             ("Design test: do not fuse / fuse something else",
              ["case", "where", "n", "ms", "why"], flag_rows),
             ("Variants", ["variant", "MB", "launches", "ms", "from"], variant_rows),
@@ -178,24 +285,22 @@ class Report:
         where = "meta tensors (no weights allocated)" if self.meta else "real tensors"
         return f"onepass analyze: {self.title} on {self.gpu.name} ({self.gpu.source} ceilings), {where}"
 
-    def table(self, top: int = 12) -> str:
-        """The terminal report: fixed-width tables."""
-        lines = [self._heading(), ""]
+    def table(self, top: int = 12, width: int = WIDTH) -> str:
+        """The terminal report: fixed-width tables within ``width`` columns, then the next step."""
+        lines = wrap(self._heading(), width)
+        for note in self.notes():
+            lines += wrap(f"Note: {note}", width)
+        lines.append("")
         for title, header, rows in self._sections(top):
             lines.append(title)
-            widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-            widths[-1] = min(widths[-1], 100)
-            if any(header):
-                lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-            for r in rows:
-                lines.append("  ".join((c if len(c) <= 100 else c[:99] + "…").ljust(w)
-                                       for c, w in zip(r, widths)).rstrip())
+            lines += fit_table(header, rows, width)
             lines.append("")
-        lines += [c.describe(self.gpu.name) for c in self.fusion.chains[:3]]
+        lines += ["Summary and next step"] + wrap(self.next_step(), width)
         return "\n".join(lines)
 
     def to_markdown(self, roofline_file: Optional[str] = "roofline.svg", top: int = 20) -> str:
         out = [f"# {self._heading()}", ""]
+        out += [f"> {note}" for note in self.notes()] + ([""] if self.notes() else [])
         if roofline_file:
             out += [f"![roofline]({roofline_file})", ""]
         for title, header, rows in self._sections(top):
@@ -204,65 +309,36 @@ class Report:
             out.append("|" + "---|" * len(header))
             out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
             out.append("")
+        v = versions()
+        out += ["## Next step", "", self.next_step(), "",
+                "Versions: " + ", ".join(f"{k} {ver}" for k, ver in v.items() if ver)
+                + f"; report schema {SCHEMA_VERSION}", ""]
         return "\n".join(out)
 
     def to_html(self, top: int = 30) -> str:
-        body = [f"<h1>{html.escape(self._heading())}</h1>", self.roofline_svg()]
+        body = [f"<h1>{html.escape(self._heading())}</h1>"]
+        body += [f"<p class='note'>{html.escape(note)}</p>" for note in self.notes()]
+        body.append(self.roofline_svg())
         for title, header, rows in self._sections(top):
             body.append(f"<h2>{html.escape(title)}</h2><table>")
             if any(header):
                 body.append("<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
             body += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
             body.append("</table>")
+        body.append(f"<h2>Next step</h2><p>{html.escape(self.next_step())}</p>")
         if self.trace_path:
             body.append(f"<p>Chrome trace: <code>{html.escape(self.trace_path)}</code> "
                         "(open in chrome://tracing or ui.perfetto.dev)</p>")
         style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1em}"
-                 "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}")
+                 "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}"
+                 ".note{background:#fff4e0;padding:4px 8px}")
         return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>onepass analyze</title>"
                 f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
 
-    def roofline_svg(self, width: int = 640, height: int = 400) -> str:
-        """Ops on the roofline of the GPU: x intensity, y attainable FLOP/s, area ~ estimated time."""
-        g, f = self.gpu, self.fusion
-        x0, x1, y0, y1 = -2.0, 4.0, 9.0, math.log10(g.bf16_tflops * 1e12) + 0.5
-        pad = 50
-
-        def px(i, p):
-            x = pad + (math.log10(max(i, 10**x0)) - x0) / (x1 - x0) * (width - 2 * pad)
-            y = height - pad - (math.log10(max(p, 10**y0)) - y0) / (y1 - y0) * (height - 2 * pad)
-            return x, y
-
-        parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-                 f"font-family='sans-serif' font-size='11'><rect width='100%' height='100%' fill='white'/>"]
-        for peak, label in ((g.bf16_tflops, "bf16 tensor cores"), (g.fp32_tflops, "fp32")):
-            ridge = peak * 1e12 / (g.hbm_gbps * 1e9)
-            (ax, ay), (bx, by), (cx, cy) = px(10**x0, 10**x0 * g.hbm_gbps * 1e9), px(ridge, peak * 1e12), \
-                px(10**x1, peak * 1e12)
-            parts.append(f"<polyline fill='none' stroke='#444' points='{ax:.1f},{ay:.1f} {bx:.1f},{by:.1f} "
-                         f"{cx:.1f},{cy:.1f}'/><text x='{cx - 90:.1f}' y='{cy - 4:.1f}'>{label}</text>")
-        total = sum(f.seconds) or 1.0
-        points: dict[tuple, float] = defaultdict(float)
-        for op, s, mb in zip(self.ops, f.seconds, f.memory_bound):
-            if op.bytes and s:
-                points[(round(math.log10(max(op.flops / op.bytes, 1e-2)), 2), round(math.log10(op.flops / s + 1), 2),
-                        mb)] += s
-        for (li, lp, mb), s in points.items():
-            x, y = px(10**li, 10**lp)
-            r = 2 + 20 * math.sqrt(s / total)
-            parts.append(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='{r:.1f}' fill='{'#d62728' if mb else '#1f77b4'}' "
-                         "fill-opacity='0.45'/>")
-        for e in range(int(x0), int(x1) + 1):
-            x, _ = px(10**e, 1)
-            parts.append(f"<text x='{x:.1f}' y='{height - pad + 15}' text-anchor='middle'>1e{e}</text>")
-        for e in range(int(math.ceil(y0)), int(y1) + 1):
-            _, y = px(1, 10**e)
-            parts.append(f"<text x='{pad - 5}' y='{y:.1f}' text-anchor='end'>1e{e}</text>")
-        parts.append(f"<text x='{width / 2}' y='{height - 10}' text-anchor='middle'>arithmetic intensity "
-                     f"(FLOP/byte); red: memory-bound, blue: compute-bound; area: estimated time</text>"
-                     f"<text x='12' y='{height / 2}' transform='rotate(-90 12 {height / 2})' "
-                     f"text-anchor='middle'>FLOP/s on {html.escape(g.name)}</text></svg>")
-        return "".join(parts)
+    def roofline_svg(self, width: int = 720, height: int = 440) -> str:
+        """The roofline plot (``roofline.roofline_svg``): estimated op positions, or, measured,
+        achieved against attainable time, unfused and onepass side by side."""
+        return roofline_svg(self, width, height)
 
     def write(self, path: str) -> list[str]:
         """Write the report. A directory gets report.json, report.md, roofline.svg and report.html;
