@@ -98,11 +98,12 @@ class MoeSettings:
     num_stages: int
     group_m: int  # row tiles that walk the feature tiles together (weight tiles reused from L2)
     wgrad: tuple[int, int, int, int, int]  # weight gradients: (BLOCK_M, BLOCK_N, BLOCK_K rows, warps, stages)
-    combine_block: int  # features a program in the K-slot sum
+    combine: tuple[int, int]  # (tokens, features) a program in the K-slot sum
 
 
-# Interpreter: small tiles so that the tests' small shapes still take several tiles, steps and groups.
-INTERPRETER_SETTINGS = MoeSettings(16, 32, 32, 32, 4, 1, 2, (32, 32, 16, 4, 1), 64)
+# Interpreter: tiles small enough that the tests' small shapes still take several tiles, K steps and
+# groups, and few programs (each costs the interpreter ~20 ms).
+INTERPRETER_SETTINGS = MoeSettings(16, 32, 64, 32, 4, 1, 2, (64, 64, 32, 4, 1), (16, 128))
 
 
 def moe_settings(slots: int, n_experts: int, device: torch.device) -> MoeSettings:
@@ -121,7 +122,7 @@ def moe_settings(slots: int, n_experts: int, device: torch.device) -> MoeSetting
     num_warps = 8 if block_m == 128 else 4
     per_stage = (block_m + 256) * 64 * 2
     return MoeSettings(block_m, 128, 256, 64, num_warps, max(2, min(4, 160 * 1024 // per_stage)), 8,
-                       (128, 128, 64, 8, 4), 1024)
+                       (128, 128, 64, 8, 4), (4, 1024))
 
 
 def row_tiles(slots: int, n_experts: int, block_m: int) -> int:
@@ -307,22 +308,24 @@ def _moe_wgrad_kernel(
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, index_ptr, weights_ptr, out_ptr, n_cols, n_experts, out_row_stride,
-                        TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t] = sum_j (w[t, j]) y[t*K + j] over the slots with an expert in [0, E), in fp32."""
-    t = tl.program_id(0).to(tl.int64)
+def _moe_combine_kernel(y_ptr, index_ptr, weights_ptr, out_ptr, n_tokens, n_cols, n_experts, out_row_stride,
+                        TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum_j (w[t, j]) y[t*K + j] over the slots with an expert in [0, E), in fp32, j in order."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    token_ok, col_ok = tokens < n_tokens, cols < n_cols
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        slot = t * TOP_K + j
-        e = tl.load(index_ptr + slot)
-        valid = (e >= 0) & (e < n_experts)
-        y = tl.load(y_ptr + slot * n_cols + cols, mask=col_ok & valid, other=0.0).to(tl.float32)
+        slot = tokens * TOP_K + j
+        e = tl.load(index_ptr + slot, mask=token_ok, other=-1)
+        valid = token_ok & (e >= 0) & (e < n_experts)
+        y = tl.load(y_ptr + slot[:, None] * n_cols + cols[None, :], mask=valid[:, None] & col_ok[None, :], other=0.0)
+        y = y.to(tl.float32)
         if WEIGHTED:
-            y *= tl.load(weights_ptr + slot).to(tl.float32)
+            y *= tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
         acc += y
-    tl.store(out_ptr + t * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + tokens[:, None] * out_row_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=token_ok[:, None] & col_ok[None, :])
 
 
 # ---------------------------------------------------------------------- launchers
@@ -344,10 +347,10 @@ def sort_by_expert(flat_index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
 def _combine(y: Tensor, flat_index: Tensor, weights: Tensor | None, out: Tensor, n_experts: int,
              s: MoeSettings) -> None:
     tokens, n_cols = out.shape
-    block = min(s.combine_block, next_power_of_2(n_cols))
-    launch(_moe_combine_kernel, (tokens, cdiv(n_cols, block)), y, flat_index,
-           weights if weights is not None else y, out, n_cols, n_experts, out.stride(0),
-           TOP_K=y.shape[0] // tokens, WEIGHTED=weights is not None, BLOCK_N=block, num_warps=4)
+    block_t, block_n = s.combine[0], min(s.combine[1], next_power_of_2(n_cols))
+    launch(_moe_combine_kernel, (cdiv(tokens, block_t), cdiv(n_cols, block_n)), y, flat_index,
+           weights if weights is not None else y, out, tokens, n_cols, n_experts, out.stride(0),
+           TOP_K=y.shape[0] // tokens, WEIGHTED=weights is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4)
 
 
 def _down(a: Tensor, w: Tensor, w_stride_k: int, w_stride_n: int, perm: Tensor, offsets: Tensor, y: Tensor,
