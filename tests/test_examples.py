@@ -1,11 +1,21 @@
-"""The examples run, and say what they should."""
+"""The examples and the README's quickstart snippets run, and say what they should."""
 
 import pathlib
+import re
 import runpy
 
 import pytest
+import torch
 
-EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+ROOT = pathlib.Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def quickstart_snippets() -> list[str]:
+    """The README's Python blocks under "## Quickstart", each a whole program ("# GPU only" first: needs CUDA)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
@@ -29,3 +39,18 @@ def test_lora_example_fuses_every_adapter_and_learns(device, capsys):
     assert any("lora: fused: " in line for line in lines)
     losses = [float(w.rstrip(",")) for w in lines[-1].split(":")[-1].split()]
     assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+def test_readme_has_quickstart_snippets():
+    snippets = quickstart_snippets()
+    assert len(snippets) >= 3 and any("onepass.optimize(model)" in s for s in snippets)
+
+
+@pytest.mark.parametrize("index", range(len(quickstart_snippets())))
+def test_readme_quickstart_snippet_runs_as_written(index, device, capsys):
+    """Each snippet alone, in a namespace of its own: every name it uses it defines."""
+    code = quickstart_snippets()[index]
+    if code.startswith("# GPU only") and not torch.cuda.is_available():
+        pytest.skip("a GPU-only snippet")
+    exec(compile(code, f"README.md quickstart snippet {index}", "exec"), {"__name__": "__main__"})
+    assert capsys.readouterr().out  # each prints what it made
