@@ -137,6 +137,30 @@ def test_inference_matches_training_and_is_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_matches_transformers_experts_modules(family, device):
+    """What transformers' experts modules return, eager and grouped_mm (the ExpertsInterface forward)."""
+    if family == "mixtral":
+        from transformers.models.mixtral.configuration_mixtral import MixtralConfig as Config
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts as Experts
+        inter, n_experts, top_k = 40, 4, 2
+        sizes = dict(intermediate_size=inter, num_local_experts=n_experts)
+    else:
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig as Config
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as Experts
+        inter, n_experts, top_k = 24, 8, 4
+        sizes = dict(moe_intermediate_size=inter, num_experts=n_experts)
+    x, index, weights, gate_up, down = _inputs(19, 48, inter, n_experts, top_k, torch.float32, device)
+    out = ops.moe_experts(x, index, weights, gate_up, down)
+    for implementation in ("eager", "grouped_mm"):
+        config = Config(hidden_size=48, num_experts_per_tok=top_k, experts_implementation=implementation, **sizes)
+        module = Experts(config).to(device)
+        with torch.no_grad():
+            module.gate_up_proj.copy_(gate_up)
+            module.down_proj.copy_(down)
+            assert_close(out, module(x, index, weights), torch.float32, implementation)
+
+
 # ------------------------------------------------------------- compile and opcheck
 
 

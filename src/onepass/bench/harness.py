@@ -26,7 +26,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from onepass.bench.case import Case
 
-SUITES = ["norm", "activation", "loss", "softmax", "rope", "attention", "decode_linear", "optim", "lora"]
+SUITES = ["norm", "activation", "loss", "softmax", "rope", "attention", "decode_linear", "optim", "lora", "moe"]
 
 
 @dataclass

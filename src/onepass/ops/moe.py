@@ -57,6 +57,7 @@ expert-parallel sentinel) contribute nothing and get a zero gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -86,43 +87,58 @@ from onepass.ops.attention import precision_for
 # ----------------------------------------------------------------------- settings
 
 
+class Tile(NamedTuple):
+    """One row-tiled kernel's features a program, warps and pipeline stages."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
 @dataclass(frozen=True)
 class MoeSettings:
     """Launch settings of one moe_experts call (forward and backward share BLOCK_M: it is the routing's tile)."""
 
     block_m: int  # slots of one expert a program takes in the row-tiled kernels
-    block_n: int  # features a program in the gated forward (each of gate and up) and the act backward
-    block_n_down: int  # features a program in the plain grouped GEMMs (down, dx): no epilogue to hold
     block_k: int
-    num_warps: int
-    num_stages: int
     group_m: int  # row tiles that walk the feature tiles together (weight tiles reused from L2)
+    up: Tile  # gated forward: block_n features of the gate and as many of up
+    down: Tile  # plain grouped GEMMs (down, dx): nothing but the accumulator to hold
+    act_bwd: Tile  # dh~ GEMM with the activation backward in its epilogue (five live fp32 tiles)
     wgrad: tuple[int, int, int, int, int]  # weight gradients: (BLOCK_M, BLOCK_N, BLOCK_K rows, warps, stages)
     combine: tuple[int, int]  # (tokens, features) a program in the K-slot sum
 
 
 # Interpreter: tiles small enough that the tests' small shapes still take several tiles, K steps and
 # groups, and few programs (each costs the interpreter ~20 ms).
-INTERPRETER_SETTINGS = MoeSettings(16, 32, 64, 32, 4, 1, 2, (64, 64, 32, 4, 1), (16, 128))
+INTERPRETER_SETTINGS = MoeSettings(16, 32, 2, Tile(32, 4, 1), Tile(64, 4, 1), Tile(32, 4, 1), (64, 64, 32, 4, 1),
+                                   (16, 128))
+SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (H100/H200: 227 KiB a block)
+
+
+def _tile(block_m: int, block_n: int, weight_tiles: int, num_warps: int, block_k: int = 64) -> Tile:
+    """A Tile with as many stages (2 to 4) as SHARED_MEMORY holds of 16-bit operand tiles
+    [block_m + weight_tiles * block_n, block_k]."""
+    per_stage = (block_m + weight_tiles * block_n) * block_k * 2
+    return Tile(block_n, num_warps, max(2, min(4, SHARED_MEMORY // per_stage)))
 
 
 def moe_settings(slots: int, n_experts: int, device: torch.device) -> MoeSettings:
     """Settings by rule for ``slots`` = T*K pairs over ``n_experts`` (Hopper-sized tiles, 16-bit).
 
     BLOCK_M: 128 once an expert averages 1024 slots, else 64 (a tile's padding, BLOCK_M / 2 per
-    expert on average, stays near 6% of its rows), fewer for decode-sized batches. Gated and act
-    backward tiles hold two [BLOCK_M, 128] fp32 tiles (128 registers a thread at 4 warps a 64-row
-    tile, 8 at 128); the plain GEMMs take 256 features. Stages: what ~160 KB of shared memory holds.
-    Not yet swept on a GPU.
+    expert on average, stays near 6% of its rows), down to 16 for decode-sized batches. Features:
+    each accumulator at most 128 fp32 registers a thread (gated: two of 64; act backward: five live
+    tiles of 32). Not yet swept on a GPU: a first guess from Triton's Hopper matmul configs.
     """
     if device.type == "cpu" and interpreting():
         return INTERPRETER_SETTINGS
     per_expert = slots / max(n_experts, 1)
     block_m = min(128 if per_expert >= 1024 else 64, max(16, next_power_of_2(int(per_expert) + 1)))
-    num_warps = 8 if block_m == 128 else 4
-    per_stage = (block_m + 256) * 64 * 2
-    return MoeSettings(block_m, 128, 256, 64, num_warps, max(2, min(4, 160 * 1024 // per_stage)), 8,
-                       (128, 128, 64, 8, 4), (4, 1024))
+    warps = 8 if block_m >= 64 else 4
+    return MoeSettings(block_m, 64, 8, up=_tile(block_m, 128, 2, warps), down=_tile(block_m, 256, 1, warps),
+                       act_bwd=_tile(block_m, 64 if block_m == 128 else 128, 1, warps),
+                       wgrad=(128, 128, 64, 8, 4), combine=(4, 1024))
 
 
 def row_tiles(slots: int, n_experts: int, block_m: int) -> int:
@@ -331,6 +347,11 @@ def _moe_combine_kernel(y_ptr, index_ptr, weights_ptr, out_ptr, n_tokens, n_cols
 # ---------------------------------------------------------------------- launchers
 
 
+def _experts_pow2(n_experts: int) -> int:
+    """The width of the per-program vector over experts that finds a row tile's expert."""
+    return max(2, next_power_of_2(n_experts))
+
+
 def _flat_index(top_k_index: Tensor) -> Tensor:
     flat = top_k_index.reshape(-1)
     return flat if flat.dtype in (torch.int32, torch.int64) else flat.to(torch.int32)
@@ -358,11 +379,11 @@ def _down(a: Tensor, w: Tensor, w_stride_k: int, w_stride_n: int, perm: Tensor, 
     """y[perm[r]] = a[r] @ w[e] (w[e] read as [a's columns, y's columns] through the two strides)."""
     n_k, n_out = a.shape[1], y.shape[1]
     tiles_m = row_tiles(a.shape[0], n_experts, s.block_m)
-    launch(_moe_down_kernel, (tiles_m * cdiv(n_out, s.block_n_down),), a, w, perm, offsets, y,
+    launch(_moe_down_kernel, (tiles_m * cdiv(n_out, s.down.block_n),), a, w, perm, offsets, y,
            n_experts, n_k, n_out, w.stride(0), w_stride_n, w_stride_k, tiles_m,
-           E_POW2=next_power_of_2(n_experts), PRECISION=precision_for(a.dtype),
-           BLOCK_M=s.block_m, BLOCK_N=s.block_n_down, BLOCK_K=s.block_k, GROUP_M=s.group_m,
-           num_warps=s.num_warps, num_stages=s.num_stages)
+           E_POW2=_experts_pow2(n_experts), PRECISION=precision_for(a.dtype),
+           BLOCK_M=s.block_m, BLOCK_N=s.down.block_n, BLOCK_K=s.block_k, GROUP_M=s.group_m,
+           num_warps=s.down.num_warps, num_stages=s.down.num_stages)
 
 
 def _wgrad(a: Tensor, b: Tensor, gather_a: bool, perm: Tensor, offsets: Tensor, n_experts: int, top_k: int,
@@ -396,12 +417,12 @@ def moe_fwd_launch(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
         return out, gu, perm, offsets
     h = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     tiles_m = row_tiles(slots, n_experts, s.block_m)
-    launch(_moe_up_kernel, (tiles_m * cdiv(inter, s.block_n),), x, gate_up_weight, perm, offsets, h, gu,
+    launch(_moe_up_kernel, (tiles_m * cdiv(inter, s.up.block_n),), x, gate_up_weight, perm, offsets, h, gu,
            n_experts, hidden_size, inter, x.stride(0), gate_up_weight.stride(0), gate_up_weight.stride(1),
            gate_up_weight.stride(2), tiles_m,
-           ACT=act, SAVE=save, TOP_K=top_k, E_POW2=next_power_of_2(n_experts), PRECISION=precision_for(x.dtype),
-           BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k, GROUP_M=s.group_m,
-           num_warps=s.num_warps, num_stages=s.num_stages)
+           ACT=act, SAVE=save, TOP_K=top_k, E_POW2=_experts_pow2(n_experts), PRECISION=precision_for(x.dtype),
+           BLOCK_M=s.block_m, BLOCK_N=s.up.block_n, BLOCK_K=s.block_k, GROUP_M=s.group_m,
+           num_warps=s.up.num_warps, num_stages=s.up.num_stages)
     y = torch.empty(slots, hidden_size, dtype=x.dtype, device=x.device)  # slot order; rows of no expert unwritten
     _down(h, down_weight, down_weight.stride(2), down_weight.stride(1), perm, offsets, y, n_experts, s)
     _combine(y, flat, top_k_weights.reshape(-1), out, n_experts, s)
@@ -429,7 +450,7 @@ def moe_bwd_launch(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weig
     need_dgu = need_dx or need_dgate_up
     dgu = torch.empty(slots, 2 * inter, dtype=x.dtype, device=x.device) if need_dgu else None
     hw = torch.empty(slots, inter, dtype=x.dtype, device=x.device) if need_ddown else None
-    tiles_n = cdiv(inter, s.block_n)
+    tiles_n = cdiv(inter, s.act_bwd.block_n)
     dw_part = torch.zeros(tiles_n if need_dweights else 0, slots, dtype=torch.float32, device=x.device)
     tiles_m = row_tiles(slots, n_experts, s.block_m)
     launch(_moe_act_bwd_kernel, (tiles_m * tiles_n,), dout, down_weight, perm, offsets, weights, gu,
@@ -437,9 +458,9 @@ def moe_bwd_launch(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weig
            n_experts, hidden_size, inter, slots, dout.stride(0), down_weight.stride(0), down_weight.stride(2),
            down_weight.stride(1), tiles_m,
            ACT=act, WRITE_DGU=need_dgu, WRITE_HW=need_ddown, WRITE_DW=need_dweights, TOP_K=top_k,
-           E_POW2=next_power_of_2(n_experts), PRECISION=precision_for(x.dtype),
-           BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k, GROUP_M=s.group_m,
-           num_warps=s.num_warps, num_stages=s.num_stages)
+           E_POW2=_experts_pow2(n_experts), PRECISION=precision_for(x.dtype),
+           BLOCK_M=s.block_m, BLOCK_N=s.act_bwd.block_n, BLOCK_K=s.block_k, GROUP_M=s.group_m,
+           num_warps=s.act_bwd.num_warps, num_stages=s.act_bwd.num_stages)
     dweights = sum_partials((dw_part, top_k_weights.dtype))[0].view(top_k_weights.shape) if need_dweights else None
     ddown = (_wgrad(dout, hw, True, perm, offsets, n_experts, top_k, down_weight.dtype, s)
              if need_ddown else None)
