@@ -103,10 +103,11 @@ def test_zero_tokens(device):
         assert torch.equal(t.grad, torch.zeros_like(t))
 
 
-def test_frozen_router_and_frozen_input(device):
+def test_frozen_parts(device):
     inputs = _inputs(21, 48, 40, 4, 2, torch.float32, device)
     _check(inputs, torch.float32, frozen=("top_k_weights",))
     _check(inputs, torch.float32, frozen=("hidden", "gate_up_weight"))
+    _check(inputs, torch.float32, frozen=("hidden", "gate_up_weight", "down_weight"))  # the router's weights only
 
 
 def test_strided_inputs(device):
@@ -159,6 +160,37 @@ def test_matches_transformers_experts_modules(family, device):
             module.gate_up_proj.copy_(gate_up)
             module.down_proj.copy_(down)
             assert_close(out, module(x, index, weights), torch.float32, implementation)
+
+
+def test_as_a_transformers_experts_implementation(device):
+    """Registered in transformers' ExpertsInterface: a MixtralExperts with experts_implementation="onepass"
+    gives the eager module's output and gradients."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.models.mixtral.configuration_mixtral import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    def onepass_experts(self, hidden_states, top_k_index, top_k_weights):
+        return ops.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+    ALL_EXPERTS_FUNCTIONS["onepass"] = onepass_experts
+    try:
+        configs = [MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, experts_implementation=name)
+                   for name in ("onepass", "eager")]
+        modules = [MixtralExperts(config).to(device) for config in configs]
+        x, index, weights, gate_up, down = _inputs(9, 32, 24, 4, 2, torch.float32, device)
+        results = []
+        for module in modules:
+            with torch.no_grad():
+                module.gate_up_proj.copy_(gate_up)
+                module.down_proj.copy_(down)
+            xs = x.clone().requires_grad_(True)
+            out = module(xs, index, weights)
+            out.square().sum().backward()
+            results.append([out, xs.grad, module.gate_up_proj.grad, module.down_proj.grad])
+        for ours, eager in zip(*results):
+            assert_close(ours, eager, torch.float32)
+    finally:
+        del ALL_EXPERTS_FUNCTIONS["onepass"]
 
 
 # ------------------------------------------------------------- compile and opcheck
