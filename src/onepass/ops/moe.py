@@ -116,29 +116,34 @@ INTERPRETER_SETTINGS = MoeSettings(16, 32, 2, Tile(32, 4, 1), Tile(64, 4, 1), Ti
 SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (H100/H200: 227 KiB a block)
 
 
-def _tile(block_m: int, block_n: int, weight_tiles: int, num_warps: int, block_k: int = 64) -> Tile:
-    """A Tile with as many stages (2 to 4) as SHARED_MEMORY holds of 16-bit operand tiles
+def _tile(block_m: int, block_n: int, weight_tiles: int, num_warps: int, itemsize: int, block_k: int = 64) -> Tile:
+    """A Tile with as many stages (2 to 4) as SHARED_MEMORY holds of the operand tiles
     [block_m + weight_tiles * block_n, block_k]."""
-    per_stage = (block_m + weight_tiles * block_n) * block_k * 2
+    per_stage = (block_m + weight_tiles * block_n) * block_k * itemsize
     return Tile(block_n, num_warps, max(2, min(4, SHARED_MEMORY // per_stage)))
 
 
-def moe_settings(slots: int, n_experts: int, device: torch.device) -> MoeSettings:
-    """Settings by rule for ``slots`` = T*K pairs over ``n_experts`` (Hopper-sized tiles, 16-bit).
+def moe_settings(slots: int, n_experts: int, device: torch.device, itemsize: int = 2) -> MoeSettings:
+    """Settings by rule for ``slots`` = T*K pairs over ``n_experts`` (Hopper-sized tiles), ``itemsize``-byte operands.
 
     BLOCK_M: 128 once an expert averages 1024 slots, else 64 (a tile's padding, BLOCK_M / 2 per
     expert on average, stays near 6% of its rows), down to 16 for decode-sized batches. Features:
-    each accumulator at most 128 fp32 registers a thread (gated: two of 64; act backward: five live
-    tiles of 32). Not yet swept on a GPU: a first guess from Triton's Hopper matmul configs.
+    the gated tile two [BLOCK_M, 128] accumulators, the plain one [BLOCK_M, 256], the act backward
+    (five live fp32 tiles) 8192 values; at 8 warps ptxas (sm_90a) fits these in 255 registers a
+    thread with at most ~100 bytes of spills in the epilogues (wider act-backward tiles spilled
+    more). The weight gradients' K-loop loads its gathered row index a stage ahead of the rows
+    (Triton's pipeliner), so it takes one stage more for as many operand buffers. Not yet timed
+    on a GPU: a first guess from Triton's Hopper matmul configs.
     """
     if device.type == "cpu" and interpreting():
         return INTERPRETER_SETTINGS
     per_expert = slots / max(n_experts, 1)
     block_m = min(128 if per_expert >= 1024 else 64, max(16, next_power_of_2(int(per_expert) + 1)))
     warps = 8 if block_m >= 64 else 4
-    return MoeSettings(block_m, 64, 8, up=_tile(block_m, 128, 2, warps), down=_tile(block_m, 256, 1, warps),
-                       act_bwd=_tile(block_m, 64 if block_m == 128 else 128, 1, warps),
-                       wgrad=(128, 128, 64, 8, 4), combine=(4, 1024))
+    return MoeSettings(block_m, 64, 8, up=_tile(block_m, 128, 2, warps, itemsize),
+                       down=_tile(block_m, 256, 1, warps, itemsize),
+                       act_bwd=_tile(block_m, 64 if block_m == 128 else 128, 1, warps, itemsize),
+                       wgrad=(128, 128, 64, 8, 1 + _tile(128, 128, 1, 8, itemsize).num_stages), combine=(4, 1024))
 
 
 def row_tiles(slots: int, n_experts: int, block_m: int) -> int:
@@ -408,7 +413,7 @@ def moe_fwd_launch(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     top_k = top_k_index.shape[1]
     n_experts, inter = down_weight.shape[0], down_weight.shape[2]
     slots = tokens * top_k
-    s = moe_settings(slots, n_experts, x.device)
+    s = moe_settings(slots, n_experts, x.device, x.element_size())
     flat = _flat_index(top_k_index)
     perm, offsets = sort_by_expert(flat, n_experts)
     out = torch.empty(tokens, hidden_size, dtype=x.dtype, device=x.device)
@@ -444,7 +449,7 @@ def moe_bwd_launch(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weig
                 torch.zeros_like(top_k_weights) if need_dweights else None,
                 torch.zeros_like(gate_up_weight) if need_dgate_up else None,
                 torch.zeros_like(down_weight) if need_ddown else None)
-    s = moe_settings(slots, n_experts, x.device)
+    s = moe_settings(slots, n_experts, x.device, x.element_size())
     flat = _flat_index(top_k_index)
     weights = top_k_weights.reshape(-1)
     need_dgu = need_dx or need_dgate_up
