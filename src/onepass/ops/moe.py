@@ -126,24 +126,27 @@ def _tile(block_m: int, block_n: int, weight_tiles: int, num_warps: int, itemsiz
 def moe_settings(slots: int, n_experts: int, device: torch.device, itemsize: int = 2) -> MoeSettings:
     """Settings by rule for ``slots`` = T*K pairs over ``n_experts`` (Hopper-sized tiles), ``itemsize``-byte operands.
 
-    BLOCK_M: 128 once an expert averages 1024 slots, else 64 (a tile's padding, BLOCK_M / 2 per
-    expert on average, stays near 6% of its rows), down to 16 for decode-sized batches. Features:
-    the gated tile two [BLOCK_M, 128] accumulators, the plain one [BLOCK_M, 256], the act backward
-    (five live fp32 tiles) 8192 values; at 8 warps ptxas (sm_90a) fits these in 255 registers a
-    thread with at most ~100 bytes of spills in the epilogues (wider act-backward tiles spilled
-    more). The weight gradients' K-loop loads its gathered row index a stage ahead of the rows
-    (Triton's pipeliner), so it takes one stage more for as many operand buffers. Not yet timed
-    on a GPU: a first guess from Triton's Hopper matmul configs.
+    BLOCK_M: 128 once an expert averages 512 slots (its last tile's padding then costs at most
+    ~12%), else 64, down to 16 for decode-sized batches. A program's FLOPs per byte it loads (16-bit)
+    set the rate L2 can feed: 128 x 256 output tiles (the gated one: 128 features of the gate and
+    128 of up) do 85, 64-row ones 51, 128 x 64 ones 43. Features: as wide as the registers allow
+    at 8 warps: ptxas (sm_90a) fits the gated and plain tiles in 255 registers a thread; the act
+    backward holds five fp32 tiles in its epilogue, so 32 values a thread (~100 bytes of spills;
+    1.7 KB at 128 x 128). The weight gradients' K-loop loads its gathered row index ahead of the
+    rows (Triton's pipeliner), so it takes two stages more for as many operand buffers (5 stages:
+    3 buffers). Not yet timed on a GPU.
     """
     if device.type == "cpu" and interpreting():
         return INTERPRETER_SETTINGS
     per_expert = slots / max(n_experts, 1)
-    block_m = min(128 if per_expert >= 1024 else 64, max(16, next_power_of_2(int(per_expert) + 1)))
+    block_m = min(128 if per_expert >= 512 else 64, max(16, next_power_of_2(int(per_expert) + 1)))
     warps = 8 if block_m >= 64 else 4
+    wgrad_n = 256 if itemsize <= 2 else 128  # fp32 (no wgmma) spilled 0.5 KB at 256
     return MoeSettings(block_m, 64, 8, up=_tile(block_m, 128, 2, warps, itemsize),
                        down=_tile(block_m, 256, 1, warps, itemsize),
-                       act_bwd=_tile(block_m, 64 if block_m == 128 else 128, 1, warps, itemsize),
-                       wgrad=(128, 128, 64, 8, 1 + _tile(128, 128, 1, 8, itemsize).num_stages), combine=(4, 1024))
+                       act_bwd=_tile(block_m, min(128, 32 * 32 * warps // block_m), 1, warps, itemsize),
+                       wgrad=(128, wgrad_n, 64, 8, 2 + _tile(128, wgrad_n, 1, 8, itemsize).num_stages),
+                       combine=(4, 1024))
 
 
 def row_tiles(slots: int, n_experts: int, block_m: int) -> int:
