@@ -172,3 +172,22 @@ def test_an_optimized_model_is_recorded_through_the_reference_path_and_says_so()
     assert "before onepass.optimize" in data["next_step"]
     # the reference path is the unfused ops: the norms' pow/mean/rsqrt chains are there to see
     assert {"aten.rsqrt", "aten.mean"} <= {op.name for op in report.ops}
+
+
+def test_analyze_imports_no_private_name_of_the_rest_of_onepass():
+    """analyze/ looks at onepass from outside: its imports of the rest of onepass are public names."""
+    import ast
+    import pathlib
+
+    import onepass.analyze.report as report_module
+
+    folder = pathlib.Path(report_module.__file__).parent
+    checked = 0
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("onepass") \
+                    and not node.module.startswith("onepass.analyze"):
+                checked += 1
+                assert not any(part.startswith("_") for part in node.module.split(".")), (path.name, node.module)
+                assert not any(alias.name.startswith("_") for alias in node.names), (path.name, node.module)
+    assert checked  # the test sees the imports it guards (patching's is_optimized and reference_mode)

@@ -203,11 +203,12 @@ class Report:
                     "goes.")
         ops = sorted({c.onepass_op.removeprefix("onepass.ops.") for c in fuse if c.onepass_op})
         covered = sum(1 for c in fuse if c.onepass_op)
+        rest = ", torch.compile fuses the rest" if covered < len(fuse) else ""
         text = (f"Fusing the {len(fuse)} chains found saves ~{t['saved_ms']:.3g} ms of the {t['eager_ms']:.3g} ms "
                 f"eager estimate and {t['saved_launches']} launches; onepass has ops for {covered} of them "
-                f"({', '.join(ops) or 'none'}), torch.compile fuses the rest. Next step: onepass.optimize(model) "
-                "puts onepass's ops into a Hugging Face model of a supported family "
-                f"(onepass.optimize_report(model) says what it fused), then {measure} to see achieved against "
+                f"({', '.join(ops) or 'none'}){rest}. Next step: onepass.optimize(model) puts onepass's ops into a "
+                "Hugging Face model of a supported family (onepass.optimize_report(model) says what it fused; in "
+                f"code of your own, call the onepass.ops named above), then {measure} to see achieved against "
                 "attainable time.")
         if any(fl.kind == "launch-bound" for fl in self.fusion.flags):
             text += " Regions flagged launch-bound gain more from CUDA graphs than from fusion."
