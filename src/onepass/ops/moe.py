@@ -38,16 +38,16 @@ grouped GROUP_M row tiles at a time, so a weight tile is read from L2 by several
     _moe_wgrad_kernel    per expert tile of a weight gradient, a K-loop over the expert's own rows
                          (from ``offsets``), gathering x or dout rows
 
-Byte budget (T*K = S slots; element size s; beyond the GEMMs' operand reads, which read x or
-dout rows once per output tile, from L2 mostly):
+Byte budget: intermediates written and read back (S = T*K slots; elements, times the element
+size), beyond the GEMMs' operand reads (x or dout rows once per output tile, from L2 mostly):
 
-    transformers' grouped_mm experts forward: gather x (S H write + read), gate_up output (2 S I
-    write), act and product (read 2 S I, write 2 S I, read S I), down output (S H write), weights
-    (read, write S H), unsort (read, write S H), sum (read S H, write T H): ~ 7 S H + 8 S I
-    fused forward: write h (S I, + 2 S I kept for backward), read h, write y (S H), read y,
-    write out (T H): 2 S H + T H + 2 S I (+ 2 S I)
-    fused backward: read [g; u] (2 S I), write [dg; du] and w h (3 S I), their reads by the
-    weight-gradient and dx GEMMs (3 S I), write and read dx per slot (2 S H), write dx (T H)
+    transformers' grouped_mm experts forward: gathered x (S H written, read), gate_up output
+    (2 S I written, read), act(gate) and the product (S I each, written, read), y, weighted y and
+    unsorted y (S H each, written, read), out (T H written): 8 S H + 8 S I + T H
+    fused forward: h (S I written, read), y in slot order (S H written, read by the K-slot sum),
+    out (T H): 2 S H + 2 S I + T H, and [g; u] (2 S I written) when a gradient is needed
+    fused backward: [g; u] read (2 S I), [dg; du] and w h written and read (3 S I each), dx per
+    slot (S H written, read), dx (T H): 2 S H + 8 S I + T H
 
 Saved for backward: the inputs, [g; u] ([S, 2I] in x's dtype), perm ([S] int64) and offsets
 ([E+1] int32); not y ([S, H]) nor h. Slots whose index is outside [0, E) (transformers'
@@ -126,15 +126,11 @@ def _tile(block_m: int, block_n: int, weight_tiles: int, num_warps: int, itemsiz
 def moe_settings(slots: int, n_experts: int, device: torch.device, itemsize: int = 2) -> MoeSettings:
     """Settings by rule for ``slots`` = T*K pairs over ``n_experts`` (Hopper-sized tiles), ``itemsize``-byte operands.
 
-    BLOCK_M: 128 once an expert averages 512 slots (its last tile's padding then costs at most
-    ~12%), else 64, down to 16 for decode-sized batches. A program's FLOPs per byte it loads (16-bit)
-    set the rate L2 can feed: 128 x 256 output tiles (the gated one: 128 features of the gate and
-    128 of up) do 85, 64-row ones 51, 128 x 64 ones 43. Features: as wide as the registers allow
-    at 8 warps: ptxas (sm_90a) fits the gated and plain tiles in 255 registers a thread; the act
-    backward holds five fp32 tiles in its epilogue, so 32 values a thread (~100 bytes of spills;
-    1.7 KB at 128 x 128). The weight gradients' K-loop loads its gathered row index ahead of the
-    rows (Triton's pipeliner), so it takes two stages more for as many operand buffers (5 stages:
-    3 buffers). Not yet timed on a GPU.
+    BLOCK_M: 128 from 512 slots an expert (padding <= ~12%), else 64, down to 16 for decode
+    batches. Tiles as wide as 8 warps' registers allow (ptxas, sm_90a): FLOPs per loaded byte bound
+    what L2 feeds (128 x 256: 85, 64 x 256: 51); the act backward keeps 32 fp32 values a thread (five
+    live tiles). The weight gradients pipeline their gathered row index ahead: two extra stages.
+    A first rule, not yet timed on a GPU (no sweep script yet).
     """
     if device.type == "cpu" and interpreting():
         return INTERPRETER_SETTINGS
