@@ -55,6 +55,31 @@ def test_estimated_roofline_says_so_and_labels_every_point(llama_report):
     assert svg.findall(f".//{SVG}text[@class='label']")  # the largest points are labelled in place too
 
 
+def _distance_to(polyline: str, x: float, y: float) -> float:
+    pts = [tuple(map(float, p.split(","))) for p in polyline.split()]
+    best = float("inf")
+    for (ax, ay), (bx, by) in zip(pts, pts[1:]):
+        t = max(0.0, min(1.0, ((x - ax) * (bx - ax) + (y - ay) * (by - ay)) / ((bx - ax) ** 2 + (by - ay) ** 2)))
+        best = min(best, ((ax + t * (bx - ax) - x) ** 2 + (ay + t * (by - ay) - y) ** 2) ** 0.5)
+    return best
+
+
+def test_estimated_points_sit_on_a_roof_even_below_the_usual_axis():
+    """Estimated from the roof, every op sits on one (the HBM slope or a peak), the embedding's backward
+    (intensity ~0.002 FLOP/byte) too: the axis starts low enough for it."""
+    model = build("llama-tiny", "meta")
+    ids = torch.randint(0, 200, (1, 64), device="meta")
+    report = analyze(model, ids, mode="train", labels=ids, use_cache=False, quiet=True)
+    svg = svg_of(report)
+    roofs = [r.get("points") for r in svg.findall(f".//{SVG}polyline[@class='roof']")]
+    circles = [c for c in svg.findall(f".//{SVG}circle") if "no FLOPs" not in c.find(f"{SVG}title").text]
+    assert len(roofs) == 2 and len(circles) > 10
+    assert any(c.find(f"{SVG}title").text.startswith("aten.embedding_dense_backward") for c in circles)
+    for c in circles:
+        x, y = float(c.get("cx")), float(c.get("cy"))
+        assert min(_distance_to(r, x, y) for r in roofs) < 1.5, c.find(f"{SVG}title").text
+
+
 def test_roofline_has_gridlines_and_prints_the_roofs(llama_report):
     svg = svg_of(llama_report)
     grid = svg.findall(f".//{SVG}line[@class='grid']")

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 MEMORY_BOUND, COMPUTE_BOUND = "#d62728", "#1f77b4"
 VARIANT_COLORS = ("#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")  # the onepass variants, in turn
 X_DECADES = (-2, 5)  # intensity 0.01 .. 100,000 FLOP/byte: the roofs' labels stand right of the matmuls
+X_LOWEST = -5  # the axis starts lower where an op's intensity is lower (down to here)
 Y_FLOOR = 9.0  # 1 GFLOP/s
 ZERO_COLUMN = 56  # px left of the log axis for the ops without FLOPs
 LABELLED = 4  # points labelled in place (the rest by hover title)
@@ -58,8 +59,9 @@ def _num(x: float) -> str:
 class _Panel:
     """One roofline: the roofs of a GPU, gridlines, axes and points, at (left, top) in the SVG."""
 
-    def __init__(self, report: Report, left: float, top: float, width: float, height: float):
+    def __init__(self, report: Report, left: float, top: float, width: float, height: float, x0: int):
         self.gpu = report.gpu
+        self.x0 = x0
         self.left, self.top, self.width, self.height = left, top, width, height
         self.axis_left = left + ZERO_COLUMN + 44  # room for the zero column and the y labels
         self.bottom = top + height - 40
@@ -67,7 +69,7 @@ class _Panel:
         self.taken: list[tuple[float, float, float]] = []  # (x from, x to, y) of the labels drawn
 
     def xy(self, intensity: float, flops_per_s: float) -> tuple[float, float]:
-        x0, x1 = X_DECADES
+        x0, x1 = self.x0, X_DECADES[1]
         li = min(max(math.log10(max(intensity, 1e-30)), x0), x1)
         lp = min(max(math.log10(max(flops_per_s, 1.0)), Y_FLOOR), self.y1)
         x = self.axis_left + (li - x0) / (x1 - x0) * (self.left + self.width - 12 - self.axis_left)
@@ -76,7 +78,7 @@ class _Panel:
 
     def frame(self, title: str, notes: list[str]) -> list[str]:
         g, parts = self.gpu, []
-        x0, x1 = X_DECADES
+        x0, x1 = self.x0, X_DECADES[1]
         right = self.left + self.width - 12
         for e in range(x0, x1 + 1):  # gridlines and tick labels
             x, _ = self.xy(10.0**e, 1.0)
@@ -251,8 +253,10 @@ def roofline_svg(report: Report, width: int = 720, height: int = 440) -> str:
     total_w = width * len(panels)
     parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{total_w}' height='{height + 20}' "
              f"font-family='sans-serif' font-size='11'><rect width='100%' height='100%' fill='white'/>"]
+    lowest = min((p.intensity for _, _, ps in panels for p in ps if p.intensity > 0), default=1.0)
+    x0 = max(min(X_DECADES[0], math.floor(math.log10(lowest))), X_LOWEST)
     for i, (title, notes, points) in enumerate(panels):
-        panel = _Panel(report, i * width, 14, width, height - 14)
+        panel = _Panel(report, i * width, 14, width, height - 14, x0)
         parts += panel.frame(title, notes)
         parts += panel.points(points, sum(p.seconds for p in points if not p.hollow) or 1.0)
     legend = ("red: memory-bound, blue: compute-bound; area: estimated time; 0 FLOP: copies, gathers, fills"
