@@ -121,6 +121,25 @@ def test_strided_inputs(device):
     _check((x_t, index, weights.float(), gate_up_t, down_t), torch.float16)
 
 
+def test_autocast(device):
+    """fp32 tensors under fp16 autocast: the experts run in fp16, the result comes back in fp32 (as
+    transformers' experts return hidden's dtype), each gradient in its leaf's dtype."""
+    inputs = _inputs(15, 48, 40, 4, 2, torch.float32, device)
+    x, index, weights, gate_up, down = inputs
+    leaves = _leaves(x, weights, gate_up, down)
+    with torch.autocast(device, dtype=torch.float16):
+        out = ops.moe_experts(leaves[0], index, *leaves[1:])
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    doubles = _leaves(x, weights, gate_up, down, torch.float64)
+    ref = reference.moe_experts(doubles[0], index, *doubles[1:])
+    ref.sum().backward()
+    assert_close(out, ref, torch.float16, "out")
+    for name, t, d in zip(NAMES, leaves, doubles):
+        assert t.grad.dtype == torch.float32
+        assert_close(t.grad, d.grad, torch.float16, f"d{name}")
+
+
 def test_inference_matches_training_and_is_deterministic(device):
     x, index, weights, gate_up, down = _inputs(25, 48, 40, 4, 2, torch.float32, device)
     with torch.no_grad():
