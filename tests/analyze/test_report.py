@@ -12,7 +12,7 @@ import torch
 import onepass
 from onepass.analyze import analyze
 from onepass.analyze.report import SCHEMA_VERSION, fit_table, wrap
-from onepass.models.configs import build
+from onepass.models.configs import CONFIGS, build
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -67,9 +67,16 @@ def _distance_to(polyline: str, x: float, y: float) -> float:
 def test_estimated_points_sit_on_a_roof_even_below_the_usual_axis():
     """Estimated from the roof, every op sits on one (the HBM slope or a peak), the embedding's backward
     (intensity ~0.002 FLOP/byte) too: the axis starts low enough for it."""
-    model = build("llama-tiny", "meta")
-    ids = torch.randint(0, 200, (1, 64), device="meta")
+    from transformers import AutoModelForCausalLM
+
+    config = CONFIGS["llama-tiny"]()
+    config.vocab_size = 50000  # the embedding's backward writes a [vocab, hidden] gradient for 16 rows
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 200, (1, 16), device="meta")
     report = analyze(model, ids, mode="train", labels=ids, use_cache=False, quiet=True)
+    (embedding_bwd,) = [op for op in report.ops if op.name == "aten.embedding_dense_backward"]
+    assert 0 < embedding_bwd.flops / embedding_bwd.bytes < 0.01  # below the axis's usual start
     svg = svg_of(report)
     roofs = [r.get("points") for r in svg.findall(f".//{SVG}polyline[@class='roof']")]
     circles = [c for c in svg.findall(f".//{SVG}circle") if "no FLOPs" not in c.find(f"{SVG}title").text]

@@ -31,7 +31,8 @@ MEMORY_BOUND, COMPUTE_BOUND = "#d62728", "#1f77b4"
 VARIANT_COLORS = ("#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")  # the onepass variants, in turn
 X_DECADES = (-2, 5)  # intensity 0.01 .. 100,000 FLOP/byte: the roofs' labels stand right of the matmuls
 X_LOWEST = -5  # the axis starts lower where an op's intensity is lower (down to here)
-Y_FLOOR = 9.0  # 1 GFLOP/s
+Y_FLOOR = 9  # 1 GFLOP/s; lower where an op's rate is lower, down to Y_LOWEST
+Y_LOWEST = 6
 ZERO_COLUMN = 56  # px left of the log axis for the ops without FLOPs
 LABELLED = 4  # points labelled in place (the rest by hover title)
 
@@ -59,9 +60,9 @@ def _num(x: float) -> str:
 class _Panel:
     """One roofline: the roofs of a GPU, gridlines, axes and points, at (left, top) in the SVG."""
 
-    def __init__(self, report: Report, left: float, top: float, width: float, height: float, x0: int):
+    def __init__(self, report: Report, left: float, top: float, width: float, height: float, x0: int, y0: int):
         self.gpu = report.gpu
-        self.x0 = x0
+        self.x0, self.y0 = x0, y0
         self.left, self.top, self.width, self.height = left, top, width, height
         self.axis_left = left + ZERO_COLUMN + 44  # room for the zero column and the y labels
         self.bottom = top + height - 40
@@ -71,9 +72,9 @@ class _Panel:
     def xy(self, intensity: float, flops_per_s: float) -> tuple[float, float]:
         x0, x1 = self.x0, X_DECADES[1]
         li = min(max(math.log10(max(intensity, 1e-30)), x0), x1)
-        lp = min(max(math.log10(max(flops_per_s, 1.0)), Y_FLOOR), self.y1)
+        lp = min(max(math.log10(max(flops_per_s, 1.0)), self.y0), self.y1)
         x = self.axis_left + (li - x0) / (x1 - x0) * (self.left + self.width - 12 - self.axis_left)
-        y = self.bottom - (lp - Y_FLOOR) / (self.y1 - Y_FLOOR) * (self.bottom - self.top - 14)
+        y = self.bottom - (lp - self.y0) / (self.y1 - self.y0) * (self.bottom - self.top - 14)
         return x, y
 
     def frame(self, title: str, notes: list[str]) -> list[str]:
@@ -85,7 +86,7 @@ class _Panel:
             parts.append(f"<line class='grid' x1='{x:.1f}' y1='{self.top + 14:.1f}' x2='{x:.1f}' "
                          f"y2='{self.bottom:.1f}' stroke='#e5e5e5'/>"
                          f"<text x='{x:.1f}' y='{self.bottom + 14:.1f}' text-anchor='middle'>1e{e}</text>")
-        for e in range(int(math.ceil(Y_FLOOR)), int(self.y1) + 1):
+        for e in range(self.y0, int(self.y1) + 1):
             _, y = self.xy(1.0, 10.0**e)
             parts.append(f"<line class='grid' x1='{self.axis_left:.1f}' y1='{y:.1f}' x2='{right:.1f}' y2='{y:.1f}' "
                          f"stroke='#e5e5e5'/><text x='{self.axis_left - 4:.1f}' y='{y + 4:.1f}' "
@@ -95,9 +96,10 @@ class _Panel:
                      f"x2='{self.left + ZERO_COLUMN:.1f}' y2='{self.bottom:.1f}' stroke='#999' stroke-dasharray='3,3'/>"
                      f"<text x='{zx:.1f}' y='{self.bottom + 14:.1f}' text-anchor='middle'>0 FLOP</text>")
         bw = g.hbm_gbps * 1e9
+        start = max(10.0**x0, 10.0**self.y0 / bw)  # where the bandwidth roof enters the plot
         for peak, label in ((g.bf16_tflops, "bf16 matmul"), (g.fp32_tflops, "fp32")):
             ridge = peak * 1e12 / bw
-            (ax, ay), (bx, by), (cx, cy) = (self.xy(10.0**x0, 10.0**x0 * bw), self.xy(ridge, peak * 1e12),
+            (ax, ay), (bx, by), (cx, cy) = (self.xy(start, start * bw), self.xy(ridge, peak * 1e12),
                                             self.xy(10.0**x1, peak * 1e12))
             text = f"{label} {_num(peak)} TFLOP/s"
             parts.append(f"<polyline class='roof' fill='none' stroke='#444' points='{ax:.1f},{ay:.1f} "
@@ -106,7 +108,7 @@ class _Panel:
                          f"<text x='{cx - 4:.1f}' y='{cy + 13:.1f}' text-anchor='end'>{_esc(text)}</text>")
             self.taken.append((cx - 4 - 6 * len(text), cx - 4, cy + 9))
         # the bandwidth roof's value, along its slope near the left
-        (sx, sy), (tx, ty) = self.xy(10.0**x0, 10.0**x0 * bw), self.xy(10.0 ** (x0 + 1), 10.0 ** (x0 + 1) * bw)
+        (sx, sy), (tx, ty) = self.xy(start, start * bw), self.xy(start * 10, start * 10 * bw)
         angle = math.degrees(math.atan2(ty - sy, tx - sx))
         parts.append(f"<text x='{sx + 4:.1f}' y='{sy + 14:.1f}' transform='rotate({angle:.1f} {sx + 4:.1f} "
                      f"{sy + 14:.1f})'>HBM {_num(g.hbm_gbps)} GB/s ({_esc(g.source)})</text>")
@@ -253,10 +255,11 @@ def roofline_svg(report: Report, width: int = 720, height: int = 440) -> str:
     total_w = width * len(panels)
     parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{total_w}' height='{height + 20}' "
              f"font-family='sans-serif' font-size='11'><rect width='100%' height='100%' fill='white'/>"]
-    lowest = min((p.intensity for _, _, ps in panels for p in ps if p.intensity > 0), default=1.0)
-    x0 = max(min(X_DECADES[0], math.floor(math.log10(lowest))), X_LOWEST)
+    drawn = [p for _, _, ps in panels for p in ps if p.intensity > 0 and p.flops_per_s > 0]
+    x0 = max(min([X_DECADES[0]] + [math.floor(math.log10(p.intensity)) for p in drawn]), X_LOWEST)
+    y0 = max(min([Y_FLOOR] + [math.floor(math.log10(p.flops_per_s)) for p in drawn]), Y_LOWEST)
     for i, (title, notes, points) in enumerate(panels):
-        panel = _Panel(report, i * width, 14, width, height - 14, x0)
+        panel = _Panel(report, i * width, 14, width, height - 14, x0, y0)
         parts += panel.frame(title, notes)
         parts += panel.points(points, sum(p.seconds for p in points if not p.hollow) or 1.0)
     legend = ("red: memory-bound, blue: compute-bound; area: estimated time; 0 FLOP: copies, gathers, fills"
