@@ -130,6 +130,8 @@ def test_measured_roofline_plots_achieved_against_attainable_side_by_side(llama_
     layers = [t for t in circles if t.startswith("model.layers.") and ", achieved" in t]
     assert len(layers) == len(report.measured["regions"])
     assert "Measured: eager" in report.next_step()
+    report.optimized = True  # measured as given, the "eager" step of an optimized model runs its kernels
+    assert "Unfused" not in texts(svg_of(report)) and "optimized" in texts(svg_of(report))
 
 
 def test_report_json_carries_versions_and_schema(llama_report, tmp_path):

@@ -241,7 +241,8 @@ def roofline_svg(report: Report, width: int = 720, height: int = 440) -> str:
     panels: list[tuple[str, list[str], list[Point]]]
     if measured:
         unfused, fused = _measured_panels(report)
-        panels = [("Unfused (eager): achieved vs attainable",
+        left = ("The model as given (optimized: its kernels ran)" if report.optimized else "Unfused (eager)")
+        panels = [(f"{left}: achieved vs attainable",
                    ["filled: measured; hollow: attainable (sum of each op's roofline time)",
                     "one pair per layer's forward, and the whole step"], unfused),
                   ("onepass: achieved vs attainable",
