@@ -104,7 +104,7 @@ class MoeSettings:
     group_m: int  # row tiles that walk the feature tiles together (weight tiles reused from L2)
     up: Tile  # gated forward: block_n features of the gate and as many of up
     down: Tile  # plain grouped GEMMs (down, dx): nothing but the accumulator to hold
-    act_bwd: Tile  # dh~ GEMM with the activation backward in its epilogue (five live fp32 tiles)
+    act_bwd: Tile  # dh~ GEMM with the activation backward in its epilogue (taken in two column halves)
     wgrad: tuple[int, int, int, int, int]  # weight gradients: (BLOCK_M, BLOCK_N, BLOCK_K rows, warps, stages)
     combine: tuple[int, int]  # (tokens, features) a program in the K-slot sum
 
@@ -128,8 +128,9 @@ def moe_settings(slots: int, n_experts: int, device: torch.device, itemsize: int
 
     BLOCK_M: 128 from 512 slots an expert (padding <= ~12%), else 64, down to 16 for decode
     batches. Tiles as wide as 8 warps' registers allow (ptxas, sm_90a): FLOPs per loaded byte bound
-    what L2 feeds (128 x 256: 85, 64 x 256: 51); the act backward keeps 32 fp32 values a thread (five
-    live tiles). The weight gradients pipeline their gathered row index ahead: two extra stages.
+    what L2 feeds (128 x 256: 85, 128 x 128: 64, 64 x 256: 51); the act backward's accumulator 64 fp32
+    values a thread (its epilogue in halves). The weight gradients pipeline their gathered row index
+    ahead: two extra stages.
     A first rule, not yet timed on a GPU (no sweep script yet).
     """
     if device.type == "cpu" and interpreting():
@@ -140,7 +141,7 @@ def moe_settings(slots: int, n_experts: int, device: torch.device, itemsize: int
     wgrad_n = 256 if itemsize <= 2 else 128  # fp32 (no wgmma) spilled 0.5 KB at 256
     return MoeSettings(block_m, 64, 8, up=_tile(block_m, 128, 2, warps, itemsize),
                        down=_tile(block_m, 256, 1, warps, itemsize),
-                       act_bwd=_tile(block_m, min(128, 32 * 32 * warps // block_m), 1, warps, itemsize),
+                       act_bwd=_tile(block_m, min(256, 64 * 32 * warps // block_m), 1, warps, itemsize),
                        wgrad=(128, wgrad_n, 64, 8, 2 + _tile(128, wgrad_n, 1, 8, itemsize).num_stages),
                        combine=(4, 1024))
 
@@ -256,6 +257,27 @@ def _moe_down_kernel(
 
 
 @triton.jit
+def _act_bwd_epilogue(dh, rows64, row_ok, slot, w, cols, inter, gu_ptr, dgu_ptr, hw_ptr,
+                      ACT: tl.constexpr, WRITE_DGU: tl.constexpr, WRITE_HW: tl.constexpr):
+    """From dh~ of columns ``cols`` and the saved [g; u]: writes [dg; du] and w h; returns the rows' <dh~, h>."""
+    mask = row_ok[:, None] & (cols < inter)[None, :]
+    gu = gu_ptr + rows64 * (2 * inter) + cols[None, :]
+    g = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu + inter, mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, ACT, True)
+    h = a * u
+    dw = tl.sum(dh * h, axis=1)
+    if WRITE_HW:
+        tl.store(hw_ptr + rows64 * inter + cols[None, :], (w * h).to(hw_ptr.dtype.element_ty), mask=mask)
+    if WRITE_DGU:
+        dh *= w
+        dgu = dgu_ptr + rows64 * (2 * inter) + cols[None, :]
+        tl.store(dgu, (dh * u * da).to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu + inter, (dh * a).to(dgu_ptr.dtype.element_ty), mask=mask)
+    return dw
+
+
+@triton.jit
 def _moe_act_bwd_kernel(
     dout_ptr, w_ptr, perm_ptr, offsets_ptr, weights_ptr, gu_ptr, dgu_ptr, hw_ptr, dw_part_ptr,
     n_experts, hidden, inter, slots, dout_row_stride, w_stride_e, w_stride_n, w_stride_k, tiles_m,
@@ -264,7 +286,9 @@ def _moe_act_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dh~ = dout[tokens] @ down[e] for one row tile; from it and the saved [g; u]: [dg; du],
-    w h, and this feature tile's share of dw = <dh~, h> (row ``pid_n`` of the fp32 partials)."""
+    w h, and this feature tile's share of dw = <dh~, h> (row ``pid_n`` of the fp32 partials).
+    The epilogue takes the tile's two column halves one after the other: half the live registers
+    (sm_90a, 8 warps: 128 x 128 without spills, where one pass spilled 1.7 KB a thread)."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), tiles_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     e, start, end = _expert_tile(offsets_ptr, pid_m, n_experts, E_POW2, BLOCK_M)
     if start >= end:
@@ -273,26 +297,18 @@ def _moe_act_bwd_kernel(
     row_ok = rows < end
     slot = tl.load(perm_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     dh, _ = _tile_mm(dout_ptr, (slot // TOP_K) * dout_row_stride, row_ok, w_ptr + e.to(tl.int64) * w_stride_e,
-                     cols, col_ok, hidden, w_stride_k, w_stride_n, 0, False, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    mask = row_ok[:, None] & col_ok[None, :]
+                     cols, cols < inter, hidden, w_stride_k, w_stride_n, 0, False, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     rows64 = rows.to(tl.int64)[:, None]
-    gu = gu_ptr + rows64 * (2 * inter) + cols[None, :]
-    g = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu + inter, mask=mask, other=0.0).to(tl.float32)
-    a, da = _act_and_grad(g, ACT, True)
-    h = a * u
-    if WRITE_DW:
-        tl.store(dw_part_ptr + pid_n.to(tl.int64) * slots + slot, tl.sum(dh * h, axis=1), mask=row_ok)
     w = tl.load(weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    if WRITE_HW:
-        tl.store(hw_ptr + rows64 * inter + cols[None, :], (w * h).to(hw_ptr.dtype.element_ty), mask=mask)
-    if WRITE_DGU:
-        dh *= w
-        dgu = dgu_ptr + rows64 * (2 * inter) + cols[None, :]
-        tl.store(dgu, (dh * u * da).to(dgu_ptr.dtype.element_ty), mask=mask)
-        tl.store(dgu + inter, (dh * a).to(dgu_ptr.dtype.element_ty), mask=mask)
+    first, second = tl.split(tl.permute(tl.reshape(dh, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+    dw = _act_bwd_epilogue(first, rows64, row_ok, slot, w, half, inter, gu_ptr, dgu_ptr, hw_ptr,
+                           ACT, WRITE_DGU, WRITE_HW)
+    dw += _act_bwd_epilogue(second, rows64, row_ok, slot, w, half + BLOCK_N // 2, inter, gu_ptr, dgu_ptr, hw_ptr,
+                            ACT, WRITE_DGU, WRITE_HW)
+    if WRITE_DW:
+        tl.store(dw_part_ptr + pid_n.to(tl.int64) * slots + slot, dw, mask=row_ok)
 
 
 @triton.jit
