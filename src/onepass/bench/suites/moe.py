@@ -29,7 +29,8 @@ MODELS = {  # name: (hidden, experts, top_k, intermediate)
 
 
 def _experts_module(name: str, implementation: str):
-    """transformers' experts module of ``name`` on the GPU in bf16, or None when this transformers lacks it."""
+    """transformers' experts module of ``name`` built on meta (its weights are set by the caller), or None
+    when this transformers lacks it."""
     hidden, n_experts, top_k, inter = MODELS[name]
     try:
         if name.startswith("Mixtral"):
@@ -48,7 +49,8 @@ def _experts_module(name: str, implementation: str):
         return Experts(config)
 
 
-def _routing(hidden: int, n_experts: int, top_k: int):
+def _routing(n_experts: int, top_k: int):
+    """A softmax router's top-k over random logits, its weights renormalized (Mixtral's router)."""
     generator = torch.Generator(device="cuda").manual_seed(SEED)
     logits = torch.randn(TOKENS, n_experts, device="cuda", generator=generator)
     weights, index = logits.softmax(-1).topk(top_k, dim=-1)
@@ -63,7 +65,7 @@ def _make(name: str, mode: str):
     def make():
         torch.manual_seed(SEED)
         x = torch.randn(TOKENS, hidden, device="cuda", dtype=DTYPE, requires_grad=grad)
-        index, weights = _routing(hidden, n_experts, top_k)
+        index, weights = _routing(n_experts, top_k)
         weights.requires_grad_(grad)
         gate_up = (torch.randn(n_experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(DTYPE)
         down = (torch.randn(n_experts, hidden, inter, device="cuda") / inter**0.5).to(DTYPE)
