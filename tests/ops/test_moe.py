@@ -27,7 +27,7 @@ def _leaves(x, weights, gate_up, down, cast=None, frozen=()):
             for name, t in zip(NAMES, (x, weights, gate_up, down))]
 
 
-def _check(inputs, dtype, activation="silu", frozen=(), scale=1.0):
+def _check(inputs, dtype, activation="silu", frozen=()):
     """Output and every gradient (random upstream gradient) against the float64 reference."""
     x, index, weights, gate_up, down = inputs
     leaves = _leaves(x, weights, gate_up, down, frozen=frozen)
@@ -38,18 +38,20 @@ def _check(inputs, dtype, activation="silu", frozen=(), scale=1.0):
     ref = reference.moe_experts(doubles[0], index, doubles[1], doubles[2], doubles[3], activation)
     ref.backward(dout.double())
     assert out.dtype == x.dtype and out.shape == x.shape
-    assert_close(out, ref, dtype, "out", scale)
+    assert_close(out, ref, dtype, "out")
     for name, t, d in zip(NAMES, leaves, doubles):
         if name in frozen:
             assert t.grad is None, name
         else:
             assert t.grad.dtype == t.dtype and t.grad.shape == t.shape, name
-            assert_close(t.grad, d.grad, dtype, f"d{name}", scale)
+            assert_close(t.grad, d.grad, dtype, f"d{name}")
     return leaves
 
 
 # Irregular sizes (hidden 80, intermediate 40: not multiples of the tiles; several K steps and feature tiles).
+# bfloat16 takes the reference under the interpreter (its tl.dot is wrong there), the kernels on a GPU.
 @pytest.mark.parametrize("dtype, activation, tokens, top_k, n_experts", [
+    (torch.bfloat16, "silu", 29, 2, 4),
     (torch.float32, "silu", 29, 2, 4),
     (torch.float32, "gelu_tanh", 23, 1, 3),
     (torch.float32, "gelu", 11, 8, 8),
@@ -210,6 +212,14 @@ def test_as_a_transformers_experts_implementation(device):
             assert_close(ours, eager, torch.float32)
     finally:
         del ALL_EXPERTS_FUNCTIONS["onepass"]
+
+
+def test_no_second_derivative(device):
+    x, index, weights, gate_up, down = _inputs(6, 32, 16, 3, 2, torch.float32, device)
+    x, weights, gate_up, down = _leaves(x, weights, gate_up, down)
+    out = ops.moe_experts(x, index, weights, gate_up, down)
+    with pytest.raises(RuntimeError, match="onepass moe_experts: no second derivative"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
 
 
 # ------------------------------------------------------------- compile and opcheck
