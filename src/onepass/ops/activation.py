@@ -153,7 +153,8 @@ def _act_bwd_kernel(
         bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     db = tl.zeros([BLOCK_N], tl.float32)
     rows = first + r
-    mask = (rows[:, None] < n_rows) & col_ok[None, :] & (n_tiles > 0)
+    # scalar conditions through tl.where, not & (an integer mask in the interpreter: see norm.py's _norm_bwd_kernel)
+    mask = tl.where(n_tiles > 0, (rows[:, None] < n_rows) & col_ok[None, :], False)
     dy_next = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
     x_next = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
     for i in range(0, n_tiles):
@@ -161,7 +162,7 @@ def _act_bwd_kernel(
         mask = (rows[:, None] < n_rows) & col_ok[None, :]
         dy, z = dy_next.to(tl.float32), x_next.to(tl.float32)
         nxt = rows + BLOCK_M
-        more = (nxt[:, None] < n_rows) & col_ok[None, :] & (i + 1 < n_tiles)
+        more = tl.where(i + 1 < n_tiles, (nxt[:, None] < n_rows) & col_ok[None, :], False)
         dy_next = tl.load(dy_ptr + nxt[:, None] * dy_row_stride + cols[None, :], mask=more, other=0.0)
         x_next = tl.load(x_ptr + nxt[:, None] * x_row_stride + cols[None, :], mask=more, other=0.0)
         if HAS_BIAS:

@@ -195,8 +195,9 @@ def _cross_entropy_fwd_kernel(
     x_next = tl.load(x_al + H * ALIGN + cols, mask=H * ALIGN + cols < group_end, other=0.0)
     head_ok = (edge >= lead) & (edge < H * ALIGN) & (edge < lead + n_cols)
     if ALIGN > 1:  # (empty otherwise: no reductions spent on them)
-        m, s, z_sum, arg, first_nan = _fold(tl.load(x_al + edge, mask=head_ok & reads, other=0.0), edge,
-                                            head_ok & reads, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP,
+        head_reads = tl.where(reads, head_ok, False)  # not &: see norm.py's _norm_bwd_kernel
+        m, s, z_sum, arg, first_nan = _fold(tl.load(x_al + edge, mask=head_reads, other=0.0), edge,
+                                            head_reads, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP,
                                             WRITE_PRED, HAS_SMOOTHING)
     for start in range(H * ALIGN, group_end, BLOCK_N):
         a = start + cols
@@ -207,8 +208,9 @@ def _cross_entropy_fwd_kernel(
     tail = tl.maximum(G, H) * ALIGN + edge
     tail_ok = tail < lead + n_cols
     if ALIGN > 1:
-        m, s, z_sum, arg, first_nan = _fold(tl.load(x_al + tail, mask=tail_ok & reads, other=0.0), tail,
-                                            tail_ok & reads, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP,
+        tail_reads = tl.where(reads, tail_ok, False)
+        m, s, z_sum, arg, first_nan = _fold(tl.load(x_al + tail, mask=tail_reads, other=0.0), tail,
+                                            tail_reads, m, s, z_sum, arg, first_nan, softcap, HAS_SOFTCAP,
                                             WRITE_PRED, HAS_SMOOTHING)
     # a row with nothing summed (ignored, not read; or all -inf) gets -inf without a log(0)
     lse = tl.where(s == 0.0, float("-inf"), m + tl.log(tl.where(s == 0.0, 1.0, s)))
@@ -245,10 +247,10 @@ def _cross_entropy_fwd_kernel(
             _write_grad(tl.load(x_al + a, mask=ok, other=0.0), a, g_al + a, ok, a_t, lse, p_coef, smooth, hit, softcap,
                         HAS_SOFTCAP)
         if ALIGN > 1:
-            head_ok = head_ok & valid
+            head_ok = tl.where(valid, head_ok, False)
             _write_grad(tl.load(x_al + edge, mask=head_ok, other=0.0), edge, g_al + edge, head_ok, a_t, lse, p_coef,
                         smooth, hit, softcap, HAS_SOFTCAP)
-            tail_ok = tail_ok & valid
+            tail_ok = tl.where(valid, tail_ok, False)
             _write_grad(tl.load(x_al + tail, mask=tail_ok, other=0.0), tail, g_al + tail, tail_ok, a_t, lse, p_coef,
                         smooth, hit, softcap, HAS_SOFTCAP)
         # an ignored row's gradient is zero: written without reading the row

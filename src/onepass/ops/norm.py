@@ -225,13 +225,15 @@ def _norm_bwd_kernel(
         db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         # Rows are software-pipelined by hand: the next row's loads are issued before this
         # row's reductions, so every program keeps two rows of reads in flight.
-        first = mask & (n_mine > 0)
+        # A scalar condition joins a block mask through tl.where, not &: Triton's interpreter splats a
+        # scalar comparison as its operands' integer type, and Triton 3.9's refuses such a mask.
+        first = tl.where(n_mine > 0, mask, False)
         dy_next = tl.load(dy_ptr + row_start * dy_row_stride + cols, mask=first, other=0.0)
         h_next = tl.load(h_ptr + row_start * h_row_stride + cols, mask=first, other=0.0)
         for i in range(0, n_mine):
             row = row_start + i
             dy_raw, h_raw = dy_next, h_next
-            more = mask & (i + 1 < n_mine)
+            more = tl.where(i + 1 < n_mine, mask, False)
             dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
             h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
             mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0

@@ -74,10 +74,11 @@ def _load_pairs(rows, rows_ok, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, BLO
     """
     if INTERLEAVED:
         d = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-        x = tl.load(rows + d, mask=rows_ok & (d < ROT), other=0.0).to(tl.float32)
+        # rows_ok may be a scalar: joined through tl.where, not & (see norm.py's _norm_bwd_kernel)
+        x = tl.load(rows + d, mask=tl.where(rows_ok, d < ROT, False), other=0.0).to(tl.float32)
         return tl.split(tl.reshape(x, [BLOCK_R, BLOCK_HALF, 2]))
     i = tl.arange(0, BLOCK_HALF)[None, :]
-    ok = rows_ok & (i < ROT // 2)
+    ok = tl.where(rows_ok, i < ROT // 2, False)
     return (tl.load(rows + i, mask=ok, other=0.0).to(tl.float32),
             tl.load(rows + i + ROT // 2, mask=ok, other=0.0).to(tl.float32))
 
