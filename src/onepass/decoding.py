@@ -42,7 +42,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from onepass.models.common import DECODE_LENGTHS, cache_keyword
+from onepass.models.cache import DECODE_LENGTHS, cache_keyword
 from onepass.ops._launch import is_int, is_number
 
 WARMUP_STEPS = 2  # eager steps before the first capture
@@ -129,7 +129,7 @@ class Decoder:
         self._mask = zeros(batch_size, max_len, dtype=torch.bool)  # padded prompts only
         self._finished = zeros(batch_size, dtype=torch.bool)
         self._live_steps = zeros(1)  # tokens emitted while some row was unfinished
-        # each row's valid cache length in a decode step, for onepass attention (common.DECODE_LENGTHS);
+        # each row's valid cache length in a decode step, for onepass attention (cache.DECODE_LENGTHS);
         # not with sliding-window layers (their cache is not indexed by position)
         self._lengths = None if sliding else zeros(batch_size, dtype=torch.int32)
         self._eos = torch.tensor(eos, dtype=torch.long, device=device)
@@ -151,8 +151,8 @@ class Decoder:
 
     def _argmax(self, logits: Tensor) -> Tensor:
         """``logits.argmax(-1)`` (the first index of the maximum) in two parallel stages: one
-        reduction over a whole 128k-vocab row ran 36.5 us (H200), a quarter of the LM head's
-        time, on a few thread blocks. The row is cut in ``_pieces(vocab)`` equal pieces."""
+        reduction over a whole 128k-vocab row runs on a few thread blocks, a large share of the
+        LM head's time. The row is cut in ``_pieces(vocab)`` equal pieces."""
         rows, vocab = logits.shape
         pieces = _pieces(vocab)
         if pieces == 1:

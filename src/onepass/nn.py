@@ -94,14 +94,17 @@ class LayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     @classmethod
-    def from_hf(cls, module: nn.LayerNorm) -> "LayerNorm":
-        """A drop-in sharing the parameters of an ``nn.LayerNorm`` over one (the last) dim."""
-        if len(module.normalized_shape) != 1 or module.weight is None:
+    def from_hf(cls, module: nn.Module, eps: float | None = None) -> "LayerNorm":
+        """A drop-in sharing the ``weight`` (and ``bias``, if any) of a LayerNorm over the last dim:
+        an ``nn.LayerNorm`` or a module computing the same (Cohere's has no bias and names its eps
+        ``variance_epsilon``: pass ``eps``)."""
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             raise ValueError(f"only LayerNorms over the last dim with a weight are supported, got {module}")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.normalized_shape, new.eps = tuple(module.normalized_shape), float(module.eps)
-        new.weight, new.bias = module.weight, module.bias
+        new.normalized_shape, new.eps = tuple(weight.shape), float(module.eps if eps is None else eps)
+        new.weight, new.bias = weight, getattr(module, "bias", None)
         return new
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:

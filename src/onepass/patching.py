@@ -8,11 +8,12 @@
 The model is patched in place, instance by instance (other models in the process are
 untouched): norm modules become ``onepass.nn`` drop-ins sharing their Parameters (state_dict
 keys and checkpoints unchanged both ways), and decoder layers, MLPs, attention blocks and
-the causal-LM head get fused forwards (see ``onepass/models/<family>.py``). Attention goes
+the causal-LM head get fused forwards, each part recognised by what it computes and checked on
+a probe of the model (see ``onepass.models.decoder``). Attention goes
 through transformers' attention-function registry as ``attn_implementation="onepass"``.
 In training, backward recomputes the norm outputs that feed projections and the MLP's
 activation product instead of keeping them (the ``recompute`` switch; see
-``onepass.models.common.with_recomputed``).
+``onepass.models.recompute``).
 
 Debugging: ``ONEPASS_REFERENCE=1`` in the environment, or ``with onepass.reference_mode():``,
 runs every onepass op as its plain PyTorch reference (same patched model, no Triton).
@@ -20,27 +21,19 @@ runs every onepass op as its plain PyTorch reference (same patched model, no Tri
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import warnings
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from onepass.models import distributed
-from onepass.models.common import FUSED, RECOMPUTED, Patches
 from onepass.models.lora import patch_lora
+from onepass.models.patches import FUSED, RECOMPUTED, Patches
+from onepass.models.registry import patcher
 from onepass.ops import _launch
+from onepass.ops._launch import reference_mode  # noqa: F401 - public as onepass.reference_mode
 
 SWITCHES = ("norm", "activation", "rope", "attention", "loss", "lora", "recompute")
-
-# config.model_type -> the module under onepass.models that patches it
-FAMILIES = {
-    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-    "gemma2": "gemma", "gemma3_text": "gemma",
-    "gpt2": "gpt2",
-}
 
 _STATE = "_onepass_state"  # attribute holding (Patches, report) on an optimized model
 
@@ -103,7 +96,7 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     input) are not kept for backward but rebuilt there, from tensors autograd keeps anyway
     (one extra norm or activation pass each, identical values). An MLP whose projections are
     plain linears never keeps its product, recompute or not (its backward kernel rebuilds
-    it); Llama-3.2-1B at batch 4 x 2048 in bf16 then keeps 1 GiB less with recompute on. It
+    it); the "no recompute" row of ``benchmarks/results/h200/train.md`` shows what it saves. It
     stays off under torch.compile (whose partitioner decides recomputation), gradient
     checkpointing, other saved-tensor hooks and inference.
     """
@@ -125,12 +118,7 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
     if doubles:
         raise TypeError(f"onepass.optimize: the kernels run float32, float16 and bfloat16; this model has float64 "
                         f"parameters ({doubles[0]} and {len(doubles) - 1} more): cast it first (model.float())")
-    model_type = getattr(hf.config, "model_type", None)
-    family = FAMILIES.get(model_type)
-    if family is None:
-        hint = " (the text model: Gemma3ForCausalLM, model_type 'gemma3_text')" if model_type == "gemma3" else ""
-        raise ValueError(f"onepass.optimize does not support model_type {model_type!r}{hint}; "
-                         f"supported: {', '.join(sorted(FAMILIES))}")
+    patch = patcher(getattr(hf.config, "model_type", None))
     switches = {"norm": norm, "activation": activation, "rope": rope, "attention": attention, "loss": loss,
                 "lora": lora, "recompute": recompute}
     untested = untested_transformers()
@@ -138,7 +126,7 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
         warnings.warn(f"onepass.optimize: {untested}", stacklevel=2)
     patches = Patches()
     try:
-        status = importlib.import_module(f"onepass.models.{family}").patch(hf, patches, switches)
+        status = patch(hf, patches, switches)
         if lora:
             status["lora"] = patch_lora(patches, hf)
     except BaseException:
@@ -185,14 +173,3 @@ def optimize_report(model: nn.Module) -> dict[str, str]:
     if state is None:
         raise RuntimeError("this model was not optimized by onepass")
     return dict(state[1])
-
-
-@contextlib.contextmanager
-def reference_mode() -> Iterator[None]:
-    """Inside this block every onepass op runs its PyTorch reference (like ONEPASS_REFERENCE=1)."""
-    previous = _launch.force_reference
-    _launch.force_reference = True
-    try:
-        yield
-    finally:
-        _launch.force_reference = previous

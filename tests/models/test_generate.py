@@ -13,8 +13,7 @@ import torch
 
 import onepass
 from onepass.decoding import CHECK_EVERY, Decoder
-from onepass.models import projections
-from onepass.ops import kv_cache
+from onepass.ops import kv_cache, projections
 from onepass.testing import assert_close
 
 pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import tiny_models as tiny
 import torch
 
 import onepass
-from onepass.models.common import cache_keyword
+from onepass.models.cache import cache_keyword
 from onepass.testing import TOLERANCE, assert_close, rel_error
 
 pytest.importorskip("transformers")
@@ -297,7 +297,7 @@ def test_unknown_family_is_a_clear_error():
 
     model = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=32))
-    with pytest.raises(ValueError, match="'bert'.*supported: gemma2, gemma3_text, gpt2, llama"):
+    with pytest.raises(ValueError, match="BertModel has no list of decoder layers.*decoder-only causal LMs"):
         onepass.optimize(model)
     with pytest.raises(TypeError, match="Hugging Face"):
         onepass.optimize(torch.nn.Linear(2, 2))
@@ -820,7 +820,7 @@ def test_peft_lora_falls_back_where_unfused(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt2", "phi3", "qwen3_moe"])
 def test_bf16_real_size_matches(family):
     """Two layers at real width in bf16: loss and gradients of the optimized model against
     the unoptimized one, both measured against an fp32 copy of the unoptimized model."""
@@ -836,11 +836,20 @@ def test_bf16_real_size_matches(family):
                                           num_key_value_heads=4, head_dim=256, sliding_window=512),
         "gpt2": lambda: tf.GPT2Config(vocab_size=32000, n_embd=1600, n_layer=2, n_head=25, n_positions=2048,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        # a dense family of its own parts (one qkv_proj, one gate_up_proj) and a mixture of experts
+        "phi3": lambda: tf.Phi3Config(**sizes, hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
+                                      num_key_value_heads=32, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**sizes, hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                                               num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+                                               head_dim=128, norm_topk_prob=True),
     }
     torch.manual_seed(0)
     fp32 = tf.AutoModelForCausalLM.from_config(configs[family]()).cuda().float()
     ref = copy.deepcopy(fp32).bfloat16()
-    _assert_bf16_as_close_as_hf(fp32, ref, onepass.optimize(copy.deepcopy(ref)))
+    model = onepass.optimize(copy.deepcopy(ref))
+    report = onepass.optimize_report(model)  # the probe recognises every part in bf16 at this size
+    assert all(report[k].startswith(("fused", "n/a")) for k in ("norm", "activation", "rope", "loss")), report
+    _assert_bf16_as_close_as_hf(fp32, ref, model)
 
 
 @pytest.mark.gpu

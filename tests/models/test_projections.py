@@ -17,6 +17,7 @@ from torch import nn
 
 from onepass.models import projections
 from onepass.ops import activation
+from onepass.ops import projections as projection_ops
 from onepass.testing import assert_close
 
 ACTS = {activation.SILU: F.silu, activation.GELU_TANH: lambda z: F.gelu(z, approximate="tanh"),
@@ -170,14 +171,14 @@ def test_torch_compile_keeps_the_nodes(bias, device):
 def test_opcheck(device):
     x = _leaf(5, 12, device=device)
     w_gate, w_up, w_down = _leaf(24, 12, device=device), _leaf(24, 12, device=device), _leaf(12, 24, device=device)
-    torch.library.opcheck(projections._gated_mlp, (x, w_gate, w_up, w_down, activation.GELU_TANH))
+    torch.library.opcheck(projection_ops._gated_mlp, (x, w_gate, w_up, w_down, activation.GELU_TANH))
     weights, bias = [_leaf(8, 12, device=device), _leaf(4, 12, device=device)], _leaf(4, device=device)
-    torch.library.opcheck(projections._linears, (x, weights, [bias], [False, True]))
+    torch.library.opcheck(projection_ops._linears, (x, weights, [bias], [False, True]))
     grads = [torch.randn(5, 8, device=device), torch.randn(5, 4, device=device)]
-    torch.library.opcheck(projections._linears_bwd, (grads, x.detach(), [w.detach() for w in weights], True,
+    torch.library.opcheck(projection_ops._linears_bwd, (grads, x.detach(), [w.detach() for w in weights], True,
                                                      [True, False], [False, True]))
     gate, up = torch.randn(5, 24, device=device), torch.randn(5, 24, device=device)
-    torch.library.opcheck(projections._gated_mlp_bwd, (torch.randn(5, 12, device=device), x.detach(), gate, up,
+    torch.library.opcheck(projection_ops._gated_mlp_bwd, (torch.randn(5, 12, device=device), x.detach(), gate, up,
                                                       w_gate.detach(), w_up.detach(), w_down.detach(),
                                                       activation.SILU, True, False, True, True))
 

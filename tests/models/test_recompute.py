@@ -4,7 +4,7 @@ the MLP's activation product are not kept for backward but rebuilt there.
 On tiny fp32 models: the same loss and bit-identical gradients with it on and off (the
 recomputation runs the same kernel on the same stored inputs), the tensors really dead
 after the forward, LoRA, torch.compile, and where it must stay off. The mechanism
-(``common.with_recomputed``) on plain PyTorch: one recomputation however many ops saved
+(``recomputing.with_recomputed``) on plain PyTorch: one recomputation however many ops saved
 the tensor, repeated backward, in-place modifications caught, no leak. On a GPU: the peak
 memory saved at a mid size in bf16, against the bytes expected.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import onepass
-from onepass.models import common
+from onepass.models import recompute as recomputing
 from onepass.testing import TOLERANCE, rel_error
 
 pytest.importorskip("transformers")
@@ -155,12 +155,12 @@ def test_off_where_it_does_not_apply(device, monkeypatch):
     """Nothing is recomputed in eval mode, without grad, or under gradient checkpointing."""
     built = []
 
-    class Spy(common._Recomputed):
+    class Spy(recomputing._Recomputed):
         def __init__(self, *args):
             built.append(1)
             super().__init__(*args)
 
-    monkeypatch.setattr(common, "_Recomputed", Spy)
+    monkeypatch.setattr(recomputing, "_Recomputed", Spy)
     on, off = _pair("llama", device, rope=False)
     ids = _ids(device)
     on.train()
@@ -223,7 +223,7 @@ def test_with_recomputed_once_per_backward():
     h = x * 2  # kept anyway: sin's backward saves it
     produced = torch.sin(h)
     ref = StorageWeakRef(produced.untyped_storage())
-    loss = common.with_recomputed(lambda p: _consumers(p, w1, w2), produced, recompute, (h,))
+    loss = recomputing.with_recomputed(lambda p: _consumers(p, w1, w2), produced, recompute, (h,))
     del produced
     assert ref.expired(), "the recomputed tensor's memory is still held after the forward"
     assert torch.equal(loss, expected_loss)
@@ -242,9 +242,9 @@ def test_with_recomputed_nested_regions():
 
     def inner(s):
         e = torch.exp(s)  # saves its output e, with the outer hooks active (our pack runs)
-        return common.with_recomputed(lambda p: _consumers(p, w1, w2), e, torch.exp, (s,))
+        return recomputing.with_recomputed(lambda p: _consumers(p, w1, w2), e, torch.exp, (s,))
 
-    loss = common.with_recomputed(inner, s, torch.sin, (x,))
+    loss = recomputing.with_recomputed(inner, s, torch.sin, (x,))
     for g, e in zip(torch.autograd.grad(loss, (x, w1, w2)), expected):
         assert torch.equal(g, e)
 
@@ -257,7 +257,7 @@ def test_with_recomputed_nested_regions():
 def test_with_recomputed_catches_in_place_changes(changed, error):
     x, w1, w2 = _setup(2)
     h = x * 2
-    loss = common.with_recomputed(lambda p: _consumers(p, w1, w2), torch.sin(h), torch.sin, (h,))
+    loss = recomputing.with_recomputed(lambda p: _consumers(p, w1, w2), torch.sin(h), torch.sin, (h,))
     with torch.no_grad():
         {"h": h, "w1": w1}[changed].add_(1)
     with pytest.raises(RuntimeError, match=error):
@@ -269,7 +269,7 @@ def test_with_recomputed_does_not_leak_saved_outputs():
     through the hooks (a node -> packed -> tensor -> node cycle)."""
     x = torch.randn(3, 4, requires_grad=True)
     h = x * 2
-    out = common.with_recomputed(lambda p: torch.exp(p * 3), torch.sin(h), torch.sin, (h,))
+    out = recomputing.with_recomputed(lambda p: torch.exp(p * 3), torch.sin(h), torch.sin, (h,))
     ref = weakref.ref(out)
     del out
     gc.collect()
@@ -287,7 +287,7 @@ def test_with_recomputed_steps_aside_under_other_hooks():
     expected = torch.autograd.grad(_consumers(torch.sin(x * 2), w1, w2), (x, w1, w2))
     with torch.autograd.graph.save_on_cpu():
         h = x * 2
-        loss = common.with_recomputed(lambda p: _consumers(p, w1, w2), torch.sin(h), recompute, (h,))
+        loss = recomputing.with_recomputed(lambda p: _consumers(p, w1, w2), torch.sin(h), recompute, (h,))
     for g, e in zip(torch.autograd.grad(loss, (x, w1, w2)), expected):
         assert torch.equal(g, e)
     assert not calls

@@ -107,7 +107,7 @@ def test_torch_compile_traces_the_one_gradient(device):
 def test_tied_node_gradient_with_either_use_alone(uses, device):
     """The node's one gradient equals autograd's sum of F.embedding's and the head's, also when
     only one of its two outputs reaches the loss (the other's gradient is None)."""
-    from onepass.models.tied_embedding import _TiedEmbedding
+    from onepass.ops.tied_embedding import tied_embedding
 
     weight = torch.randn(10, 4, device=device, dtype=torch.float64, requires_grad=True)
     ids = torch.tensor([[1, 2, 2], [0, 9, 1]], device=device)
@@ -117,6 +117,6 @@ def test_tied_node_gradient_with_either_use_alone(uses, device):
         terms = {"embeddings": (embeds ** 2).sum(), "head": (x @ head.t()).sin().sum()}
         return sum(terms.values()) if uses == "both" else terms[uses]
 
-    (got,) = torch.autograd.grad(loss(*_TiedEmbedding.apply(weight, ids, 2)), [weight])
+    (got,) = torch.autograd.grad(loss(*tied_embedding(weight, ids, 2)), [weight])
     (want,) = torch.autograd.grad(loss(torch.nn.functional.embedding(ids, weight, 2), weight), [weight])
     assert torch.allclose(got, want)

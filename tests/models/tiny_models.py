@@ -27,10 +27,33 @@ CONFIGS = {
 }
 
 
+_MOE = dict(num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_GRANITE = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0)
+
+# Families optimize recognises by their parts, tested for parity and their report only (test_families.py)
+MORE_CONFIGS = {
+    "mixtral": lambda: tf.MixtralConfig(**_GATED, **_MOE, num_local_experts=4, sliding_window=None),
+    # layer 1 dense (mlp_only_layers), layer 0 sparse with a gated shared expert
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(**_GATED, **_MOE, num_experts=4, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(**_GATED, **_MOE, head_dim=16, num_experts=4, moe_intermediate_size=32),
+    "olmoe": lambda: tf.OlmoeConfig(**_GATED, **_MOE, num_experts=4),
+    "granitemoe": lambda: tf.GraniteMoeConfig(**_GATED, **_MOE, **_GRANITE, num_local_experts=4),
+    "gemma": lambda: tf.GemmaConfig(**_GATED, head_dim=16, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "phi3": lambda: tf.Phi3Config(**_GATED, bos_token_id=0, eos_token_id=0, pad_token_id=0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0),
+    "olmo2": lambda: tf.Olmo2Config(**_GATED, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "granite": lambda: tf.GraniteConfig(**_GATED, **_GRANITE),
+    "starcoder2": lambda: tf.Starcoder2Config(**_GATED, residual_dropout=0.0, embedding_dropout=0.0),
+    "cohere": lambda: tf.CohereConfig(**_GATED, logit_scale=0.5, use_qk_norm=True, bos_token_id=0, eos_token_id=0,
+                                      pad_token_id=0),
+}
+
+
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """A causal LM of ``family`` with random weights (norm weights too, so they matter)."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    model = tf.AutoModelForCausalLM.from_config({**CONFIGS, **MORE_CONFIGS}[family]())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or ".ln_" in name:

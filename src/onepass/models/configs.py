@@ -11,6 +11,8 @@ billion-parameter model costs nothing) or on the CPU/GPU with randomly initialis
     llama-8b        Llama-3.1-8B-shaped: hidden 4096, 32 layers, 32 / 8 heads of 128,
                     intermediate 14336, vocab 128256, untied LM head
     gpt2            GPT-2 small: 768 hidden, 12 layers, 12 heads, vocab 50257
+    qwen3-moe-8l    Qwen3-30B-A3B-shaped, 8 of its 48 layers: hidden 2048, 32 / 4 heads of 128,
+                    128 experts of intermediate 768, top-8, vocab 151936, untied LM head
     llama-tiny      the Llama layout at toy size (tests, quick CPU runs)
     llama-tiny-untied  the same with its own LM head (llama-8b's layout)
     gpt2-tiny       the GPT-2 layout at toy size
@@ -43,6 +45,19 @@ def _gpt2(**overrides):
     return GPT2Config(**settings)
 
 
+def _qwen3_moe(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    settings = dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, rope_theta=1000000.0,
+        max_position_embeddings=40960, rms_norm_eps=1e-6,
+    )
+    settings.update(overrides)
+    return Qwen3MoeConfig(**settings)
+
+
 _TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
              vocab_size=256, head_dim=16, max_position_embeddings=256)
 
@@ -52,6 +67,7 @@ CONFIGS: dict[str, Callable[[], object]] = {
     "llama-8b": lambda: _llama(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=128,
                                intermediate_size=14336, tie_word_embeddings=False),
     "gpt2": _gpt2,
+    "qwen3-moe-8l": _qwen3_moe,
     "llama-tiny": lambda: _llama(**_TINY),
     "llama-tiny-untied": lambda: _llama(**_TINY, tie_word_embeddings=False),
     "gpt2-tiny": lambda: _gpt2(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,

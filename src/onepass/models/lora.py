@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from onepass import ops
-from onepass.models import common, projections
+from onepass.models.patches import FUSED, UNFUSED, Patches, nodes_run, unhooked
 from onepass.ops import lora as lora_ops
-from onepass.ops._launch import autocast_inputs, first_order_only, use_triton
+from onepass.ops._launch import autocast_inputs, use_triton
 
 
 def _lora_linear_class() -> type | None:
@@ -42,7 +42,7 @@ def _lora_linear_class() -> type | None:
 def _base_weight(layer: nn.Module) -> Tensor | None:
     """The base layer's weight as [out, in] (F.linear's), or None for a base it cannot read."""
     base = layer.base_layer
-    if not projections.unhooked(base):
+    if not unhooked(base):
         return None
     if type(base) is nn.Linear and not layer.fan_in_fan_out:
         return base.weight
@@ -58,7 +58,6 @@ def _unsuited_adapter(layer: nn.Module, name: str) -> str | None:
     a, b, drop = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
     if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name):
         return "a LoRA variant (DoRA, ...)"
-    unhooked = projections.unhooked
     if not (type(a) is nn.Linear and type(b) is nn.Linear and unhooked(a) and unhooked(b)) or b.bias is not None:
         return "adapter factors that are not plain bias-free linears"
     if type(drop) not in (nn.Dropout, nn.Identity) or not unhooked(drop):
@@ -112,48 +111,11 @@ def _make_forward() -> Callable:
     return _forward
 
 
-class _SharedInputAdapters(torch.autograd.Function):
-    """lora_linear(x, ...) for several LoRA linears reading one x (q/k/v, gate/up) as one
-    node, from x, the scalings and (weight, bias, lora_a, lora_b, x_a) per layer (x_a: the
-    layer's dropped input, None without dropout): backward adds their input gradients inside
-    its GEMMs instead of autograd's add kernels (as ``projections.linears`` does for plain
-    linears; a dropped input's gradient is returned on its own, through its dropout), and one
-    Python node stands for them all."""
-
-    @staticmethod
-    def forward(ctx, x, scalings, *params):
-        outs, saved, ctx.meta = [], [x], []
-        for i, scaling in enumerate(scalings):
-            weight, bias, lora_a, lora_b, x_a = params[5 * i:5 * i + 5]
-            y, t, a, b = lora_ops.lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, x_a)
-            outs.append(y)
-            saved += [weight, a, b, t, x_a]
-            ctx.meta.append((bias is not None, lora_a.dtype, lora_b.dtype))
-        ctx.save_for_backward(*saved)
-        ctx.scalings = scalings
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *dys):
-        first_order_only("LoRA shared node")
-        x, *saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        dx, grads = None, []
-        for i, (dy, scaling, (has_bias, a_dtype, b_dtype)) in enumerate(zip(dys, ctx.scalings, ctx.meta)):
-            weight, a, b, t, x_a = saved[5 * i:5 * i + 5]
-            n = needs[2 + 5 * i:7 + 5 * i]  # weight, bias, lora_a, lora_b, x_a
-            g = lora_ops.lora_bwd_launch(dy, x, weight, a, b, t, x_a, scaling, a_dtype, b_dtype, needs[0], n[0],
-                                          n[1] and has_bias, n[2], n[3], n[4] and x_a is not None, dx_into=dx)
-            dx = g[0].view(-1, x.shape[-1]) if needs[0] else None
-            grads += [g[1], g[2] if has_bias else None, g[3], g[4], g[5]]
-        return (dx.view(x.shape) if dx is not None else None), None, *grads
-
-
 def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ...] | None:
     """``layer(x)`` for each of several patched LoRA linears as one node; None (call them one
     by one) unless every layer runs fused here and onepass's nodes run. Dropout masks are
     drawn layer by layer, in the order PEFT's forwards would draw them."""
-    if len(layers) < 2 or not projections.nodes_run(x):
+    if len(layers) < 2 or not nodes_run(x):
         return None
     calls = [_call_args(layer, x) if _patched(layer) else None for layer in layers]
     if any(c is None for c in calls):
@@ -166,14 +128,14 @@ def shared_linears(x: Tensor, layers: tuple[nn.Module, ...]) -> tuple[Tensor, ..
         x_a = F.dropout(x, c.dropout_p, True) if c.dropout_p > 0 and c.training else None
         params += [weight, bias, c.lora_a, c.lora_b, x_a]
     with torch.autocast(x.device.type, enabled=False):
-        return _SharedInputAdapters.apply(x, tuple(float(c.scaling) for c in calls), *params)
+        return lora_ops.lora_linears(x, tuple(float(c.scaling) for c in calls), params)
 
 
 def _patched(layer: nn.Module) -> bool:
     return getattr(layer.__dict__.get("forward"), "__func__", None) is _forward
 
 
-def patch_lora(patches: common.Patches, model: nn.Module) -> str:
+def patch_lora(patches: Patches, model: nn.Module) -> str:
     """Give every suited PEFT LoRA linear in ``model`` the fused forward; returns the status."""
     cls = _lora_linear_class()
     layers = [m for m in model.modules() if cls is not None and type(m) is cls]
@@ -189,6 +151,6 @@ def patch_lora(patches: common.Patches, model: nn.Module) -> str:
     fused = len(layers) - sum(reasons.values())
     counts = f"{fused} of {len(layers)} LoRA linears as lora_linear"
     if not reasons:
-        return f"{common.FUSED}: {counts} (no scale or add kernels)"
+        return f"{FUSED}: {counts} (no scale or add kernels)"
     listing = ", ".join(f"{n} with {reason}" for reason, n in reasons.items())
-    return f"{common.UNFUSED}: {counts}; PEFT's forward for {listing}"
+    return f"{UNFUSED}: {counts}; PEFT's forward for {listing}"

@@ -8,9 +8,11 @@ checks them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from typing import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -34,8 +36,19 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
-# Set by onepass.reference_mode(); ONEPASS_REFERENCE=1 does the same for the whole process.
+# Set by reference_mode(); ONEPASS_REFERENCE=1 does the same for the whole process.
 force_reference = False
+
+
+@contextlib.contextmanager
+def reference_mode() -> Iterator[None]:
+    """Inside this block every onepass op runs its PyTorch reference (like ONEPASS_REFERENCE=1)."""
+    global force_reference
+    previous, force_reference = force_reference, True
+    try:
+        yield
+    finally:
+        force_reference = previous
 
 
 def use_triton(x: torch.Tensor) -> bool:

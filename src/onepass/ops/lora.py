@@ -205,3 +205,48 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scali
         lora_x = F.dropout(x, dropout_p, training) if dropout_p > 0 and training else None
         op = route(_lora_fwd, lora_fwd_launch, x, weight, bias, lora_a, lora_b, lora_x, autograd=_lora_fwd_eager)
         return op(x, weight, bias, lora_a, lora_b, float(scaling), lora_x)[0]
+
+
+class _SharedInputAdapters(torch.autograd.Function):
+    """lora_linear(x, ...) for several LoRA linears reading one x (q/k/v, gate/up) as one
+    node, from x, the scalings and (weight, bias, lora_a, lora_b, x_a) per layer (x_a: the
+    layer's dropped input, None without dropout): backward adds their input gradients inside
+    its GEMMs instead of autograd's add kernels (as ``projections.linears`` does for plain
+    linears; a dropped input's gradient is returned on its own, through its dropout), and one
+    Python node stands for them all."""
+
+    @staticmethod
+    def forward(ctx, x, scalings, *params):
+        outs, saved, ctx.meta = [], [x], []
+        for i, scaling in enumerate(scalings):
+            weight, bias, lora_a, lora_b, x_a = params[5 * i:5 * i + 5]
+            y, t, a, b = lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, x_a)
+            outs.append(y)
+            saved += [weight, a, b, t, x_a]
+            ctx.meta.append((bias is not None, lora_a.dtype, lora_b.dtype))
+        ctx.save_for_backward(*saved)
+        ctx.scalings = scalings
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        first_order_only("LoRA shared node")
+        x, *saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx, grads = None, []
+        for i, (dy, scaling, (has_bias, a_dtype, b_dtype)) in enumerate(zip(dys, ctx.scalings, ctx.meta)):
+            weight, a, b, t, x_a = saved[5 * i:5 * i + 5]
+            n = needs[2 + 5 * i:7 + 5 * i]  # weight, bias, lora_a, lora_b, x_a
+            g = lora_bwd_launch(dy, x, weight, a, b, t, x_a, scaling, a_dtype, b_dtype, needs[0], n[0],
+                                          n[1] and has_bias, n[2], n[3], n[4] and x_a is not None, dx_into=dx)
+            dx = g[0].view(-1, x.shape[-1]) if needs[0] else None
+            grads += [g[1], g[2] if has_bias else None, g[3], g[4], g[5]]
+        return (dx.view(x.shape) if dx is not None else None), None, *grads
+
+
+def lora_linears(x: Tensor, scalings: tuple[float, ...], params: list[Tensor | None]) -> tuple[Tensor, ...]:
+    """``lora_linear`` of one input ``x`` through several layers as one node: ``params`` holds
+    (weight, bias, lora_a, lora_b, x_a) per layer (x_a: the layer's dropped input, None without
+    dropout), ``scalings`` one scaling each. For onepass's patched PEFT layers (the caller
+    checks them); the launches are ``lora_linear``'s."""
+    return _SharedInputAdapters.apply(x, scalings, *params)

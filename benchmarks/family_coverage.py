@@ -1,0 +1,113 @@
+"""Which transformers causal-LM families ``onepass.optimize`` fuses, tried as a new user would.
+
+For every model type in transformers' causal-LM mapping, a tiny random model is built from its
+config class with small sizes, optimized, and compared with the unoptimized model in fp32: the
+loss and every gradient (kernels through Triton's interpreter on a CPU). Writes a Markdown
+table of the report's switches and the largest relative error to
+``benchmarks/results/family_coverage.md``.
+
+    TRITON_INTERPRET=1 python benchmarks/family_coverage.py [model_type ...]
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import sys
+import time
+import warnings
+
+import torch
+
+import onepass
+from onepass.testing import rel_error
+
+SMALL = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=64, max_position_embeddings=128, head_dim=8, bos_token_id=0, eos_token_id=0,
+             pad_token_id=0, moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+             shared_expert_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+             kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
+             topk_group=1, sliding_window=None, tie_word_embeddings=False)
+SKIP_ARGS = ("dropout", "pdrop")
+OUT = pathlib.Path(__file__).parent / "results" / "family_coverage.md"
+
+
+def _config(config_class):
+    import inspect
+
+    accepted = set(inspect.signature(config_class.__init__).parameters)
+    kwargs = {k: v for k, v in SMALL.items() if k in accepted or not accepted - {"self", "kwargs"}}
+    config = config_class(**kwargs)
+    for name in dir(config):
+        if any(s in name for s in SKIP_ARGS) and isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+    return config
+
+
+def _loss_and_grads(model, ids):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def try_family(model_type: str) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    row = {"model_type": model_type}
+    try:
+        config = _config(CONFIG_MAPPING[model_type])
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if "norm" in name:
+                    p.add_(0.2 * torch.randn_like(p))
+    except Exception as error:  # noqa: BLE001 - a family this script cannot build is listed as such
+        row["error"] = f"not built here: {type(error).__name__}: {str(error)[:80]}"
+        return row
+    model = copy.deepcopy(ref)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            onepass.optimize(model)
+        row.update(onepass.optimize_report(model))
+        ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+        loss, grads = _loss_and_grads(model, ids)
+        ref_loss, ref_grads = _loss_and_grads(ref, ids)
+        errors = [rel_error(loss, ref_loss)] + [rel_error(grads[n], g) for n, g in ref_grads.items() if n in grads]
+        row["error"] = f"{max(errors):.1e}" + ("" if grads.keys() == ref_grads.keys() else " (gradients missing)")
+    except Exception as error:  # noqa: BLE001
+        row["error"] = f"failed: {type(error).__name__}: {str(error)[:100]}"
+    return row
+
+
+def _cell(status: str | None) -> str:
+    if status is None:
+        return ""
+    return status.split(":", 1)[0]
+
+
+def main(model_types: list[str]) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_types = model_types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    lines = ["| model_type | norm | activation | rope | attention | loss | max rel. error (loss, grads) |",
+             "|---|---|---|---|---|---|---|"]
+    for model_type in model_types:
+        start = time.time()
+        row = try_family(model_type)
+        cells = [_cell(row.get(k)) for k in ("norm", "activation", "rope", "attention", "loss")]
+        lines.append(f"| {model_type} | " + " | ".join(cells) + f" | {row.get('error', '')} |")
+        print(lines[-1], f"({time.time() - start:.0f} s)", flush=True)
+    import transformers
+
+    OUT.write_text(f"# Family coverage\n\n`TRITON_INTERPRET=1 python benchmarks/family_coverage.py`, transformers "
+                   f"{transformers.__version__}, torch {torch.__version__}, CPU (fp32, interpreter). Tolerance of the "
+                   "parity tests: 2e-4.\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
