@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -57,3 +59,93 @@ def test_version_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out == f"onepass {onepass.__version__}\n"
+
+
+@pytest.mark.parametrize("argv, defaults", [
+    (["run"], []),
+    (["selfcheck"], []),
+    (["bench", "ops"], ["default: all)", "(default: benchmarks/results)"]),
+    (["bench", "train"], ["(default: llama-1b;", "(default: 4;", "(default: 0)", "(default: 1)", "(default: 2)"]),
+    (["bench", "generate"], ["(default: llama-1b)", "default: 1 and 8)", "(default: 128)", "(default: 256)"]),
+    (["analyze"], ["(default: llama-1b)", "(default: H100)", "(default: forward)", "(default: 1)",
+                   "(default: bfloat16)", "(default: 12)", "(default: the terminal only)"]),
+])
+def test_every_command_help_says_what_it_does_and_its_defaults(argv, defaults, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--help"])
+    text = capsys.readouterr().out
+    assert stop.value.code == 0
+    usage, description, *rest = text.split("\n\n")
+    assert description.strip() and not description.startswith(("options:", "positional")), text
+    flat = " ".join(text.split())  # argparse wraps to the terminal's width
+    for default in defaults:
+        assert default in flat, (default, text)
+    lines = text.split("options:", 1)[1].splitlines()
+    for i, line in enumerate(lines):  # every option says what it is (argparse shows no default for one without)
+        if line.startswith("  -") and "--help" not in line:
+            help_beside = len(re.split(r"\s{2,}", line.strip())) > 1
+            help_below = i + 1 < len(lines) and lines[i + 1].startswith(" " * 6)
+            assert help_beside or help_below, (line, text)
+
+
+# Without transformers (the hf extra) a command runs what it can and says in one line what needs it.
+# (onepass first: its import hook takes a None there for an imported transformers)
+HIDE_TRANSFORMERS = """
+import sys
+from onepass.cli import main
+sys.modules["transformers"] = None  # as if not installed
+for argv in {commands}:
+    print(main(argv), flush=True)
+    print("--", file=sys.stderr, flush=True)
+"""
+
+
+def test_commands_that_build_models_say_they_need_transformers():
+    import subprocess
+    import sys
+
+    from onepass import DISTRIBUTION
+
+    commands = [["analyze", "--model", "llama-tiny"], ["bench", "generate"],
+                ["bench", "train", "--gpus", "2", "--model", "llama-tiny"]]
+    run = subprocess.run([sys.executable, "-c", HIDE_TRANSFORMERS.format(commands=commands)], capture_output=True,
+                         text=True, check=False, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["2"] * len(commands)
+    said = [part.strip() for part in run.stderr.split("--")[:-1]]
+    for argv, line in zip(commands, said):
+        name = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+        assert line == (f"onepass {name}: needs transformers (its models are Hugging Face models): "
+                        f"pip install '{DISTRIBUTION}[hf]'"), run.stderr
+
+
+def test_run_without_transformers_checks_the_ops_and_says_the_analyzer_needs_it(monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run would benchmark")
+    import sys
+
+    from onepass import DISTRIBUTION, selfcheck
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    checked = []
+    monkeypatch.setattr(selfcheck, "run", lambda device, log=print: checked.append(device) or True)
+    assert main(["run"]) == 0 and checked == ["cpu"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"onepass run: the analyzer on llama-1b skipped: it needs transformers: pip install '{DISTRIBUTION}[hf]'"]
+
+
+def test_bench_ops_without_transformers_skips_the_suites_that_need_it(monkeypatch, capsys):
+    import sys
+
+    from onepass import DISTRIBUTION
+    from onepass.bench import harness
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ran = []
+    monkeypatch.setattr(harness, "run_suites", lambda suites, out, only: {s: ran.append(s) or ["row"] for s in suites})
+    assert main(["bench", "ops"]) == 0
+    assert ran == [s for s in harness.SUITES if s != "optim"]  # optim takes Llama-3.2-1B's parameter shapes
+    assert capsys.readouterr().err.splitlines() == [
+        f"onepass bench ops: skipping optim: needs transformers: pip install '{DISTRIBUTION}[hf]'"]
+    assert main(["bench", "ops", "--suite", "optim"]) == 2 and ran == [s for s in harness.SUITES if s != "optim"]

@@ -37,3 +37,20 @@ def test_refused_where_no_kernel_runs(device):
 
     with reference_mode(), pytest.raises(ValueError, match="nothing would be checked"):
         selfcheck.run(device)
+
+
+def test_without_transformers_every_op_is_checked_and_the_budget_needing_it_says_so(device, monkeypatch):
+    """adamw_step's benchmark case takes Llama-3.2-1B's parameter shapes from its transformers model."""
+    import sys
+
+    from onepass import DISTRIBUTION
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    without = set()
+    fused = selfcheck.fused_bytes(without)
+    assert without == {"optim"} and ("rms_norm", "fwd") in fused and "adamw_step" not in {op for op, _ in fused}
+    monkeypatch.setattr(selfcheck, "CHECKS", [c for c in selfcheck.CHECKS if c.op == "adamw_step"])
+    lines = []
+    assert selfcheck.run(device, log=lines.append)
+    assert lines[1].startswith("adamw_step ") and lines[1].endswith(
+        f"ok      no byte budget here: its benchmark case needs transformers: pip install '{DISTRIBUTION}[hf]'")

@@ -11,6 +11,8 @@ import importlib
 from onepass import hf_attention as _hf_attention
 
 __version__ = "0.1.0"
+# the name pip installs it by (PyPI refuses "onepass": too close to the project "one-pass"); imported as onepass
+DISTRIBUTION = "onepass-kernels"
 
 _LAZY = {"ops": "onepass.ops", "reference": "onepass.reference", "analyze": "onepass.analyze", "optim": "onepass.optim"}
 # public functions and classes -> their module (a module named like a function would shadow it once imported)
@@ -19,7 +21,7 @@ _LAZY_FUNCTIONS = {
     **dict.fromkeys(("generate", "Decoder"), "onepass.decoding"),
 }
 
-__all__ = ["__version__", *_LAZY, *_LAZY_FUNCTIONS]
+__all__ = ["__version__", "DISTRIBUTION", *_LAZY, *_LAZY_FUNCTIONS]
 
 _hf_attention.register_when_imported()  # attn_implementation="onepass" in transformers
 

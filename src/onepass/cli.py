@@ -7,13 +7,26 @@
     onepass bench generate [...] generation with a built-in model: HF against onepass (GPU)
     onepass selfcheck           every op against its float64 reference, and its byte budget
     onepass analyze [...]       where a model's HBM bytes and launches go (no GPU needed)
+
+Without transformers (the ``hf`` extra) every command runs what it can and says in one line
+what needs it: the models (analyze, bench train, bench generate) are Hugging Face models.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+
+from onepass import DISTRIBUTION
+
+HF_INSTALL = f"pip install '{DISTRIBUTION}[hf]'"
+
+
+def has_transformers() -> bool:
+    """Whether transformers can be imported (the ``hf`` extra), without importing it."""
+    return importlib.util.find_spec("transformers") is not None  # None too where sys.modules hides it
 
 
 def _interpret_without_gpu() -> str:
@@ -53,9 +66,20 @@ def _no_gpu(command: str) -> bool:
 def _bench_ops(args) -> int:
     if _no_gpu("bench ops"):
         return 2
-    from onepass.bench.harness import run_suites
+    from onepass.bench.harness import SUITES, run_suites
 
-    if not any(run_suites(args.suite or None, args.out, args.only).values()):
+    suites = args.suite or SUITES
+    if not has_transformers():  # the suites that take their shapes from a model (optim: Llama's parameters)
+        from onepass.selfcheck import suites_needing_transformers
+
+        skipped = suites_needing_transformers(suites)
+        if skipped:
+            print(f"onepass bench ops: skipping {', '.join(skipped)}: needs transformers: {HF_INSTALL}",
+                  file=sys.stderr)
+        suites = [s for s in suites if s not in skipped]
+        if not suites:
+            return 2
+    if not any(run_suites(suites, args.out, args.only).values()):
         print(f"onepass bench ops: no case's op name contains {args.only!r}", file=sys.stderr)
         return 2
     return 0
@@ -130,39 +154,65 @@ def _run(args) -> int:
     print("no GPU here: every op's self-check instead of the benchmarks, then the analyzer on llama-1b\n")
     status = _selfcheck(args)
     print()
+    if not has_transformers():
+        print(f"onepass run: the analyzer on llama-1b skipped: it needs transformers: {HF_INSTALL}", file=sys.stderr)
+        return status
     analyze = build_parser().parse_args(["analyze", "--model", "llama-1b", "--quiet"])
     return status or _analyze(analyze)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default; an option whose default depends on others
+    (None) says so in its own words, and an on/off flag (off by default) shows none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _command(sub, name: str, about: str, fn=None, hf: bool = False) -> argparse.ArgumentParser:
+    """A subcommand whose --help says what it does (``about``) and every option's default;
+    ``hf``: it builds Hugging Face models, so without transformers it is refused in one line."""
+    parser = sub.add_parser(name, help=about, description=about, formatter_class=_Help)
+    if fn is not None:
+        parser.set_defaults(fn=fn, hf=hf)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from onepass import __version__
     from onepass.bench.harness import SUITES
     from onepass.models.configs import CONFIGS
 
     models = sorted(CONFIGS)
-    from onepass import __version__
-
     parser = argparse.ArgumentParser(prog="onepass", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"onepass {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="the main job (benchmarks on a GPU, self-check without)").set_defaults(fn=_run)
-    sub.add_parser("selfcheck", help="every op against its reference, and its byte budget").set_defaults(
-        fn=_selfcheck)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
-    bench_ops = bench.add_parser("ops", help="every op against eager, torch.compile, Liger (GPU)")
-    bench_ops.add_argument("--suite", action="append", choices=SUITES, help="a suite to run (repeatable; default all)")
+    _command(sub, "run", "the main job: on a GPU every benchmark suite (as bench ops); without one, every op's "
+                         "self-check through Triton's interpreter, then the analyzer on llama-1b", _run)
+    _command(sub, "selfcheck", "every op's kernels against its float64 reference (forward and every gradient; "
+                               "without a GPU through Triton's interpreter), and its byte budget", _selfcheck)
+    bench = _command(sub, "bench", "benchmarks on a CUDA GPU, every peer side by side in one run").add_subparsers(
+        dest="what", required=True)
+    bench_ops = _command(bench, "ops", "every op against eager PyTorch, torch.compile and Liger-Kernel (GPU); "
+                                       "results as JSON and Markdown under --out/<gpu>/", _bench_ops)
+    bench_ops.add_argument("--suite", action="append", choices=SUITES,
+                           help="a suite to run (repeatable; default: all)")
     bench_ops.add_argument("--only", help="keep only the cases whose op name contains this (results written beside "
-                                          "the full ones, as <suite>-only-<this>)")
+                                          "the full ones, as <suite>-only-<this>; default: every case)")
     bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
-    bench_ops.set_defaults(fn=_bench_ops)
-    bench_train = bench.add_parser("train", help="a whole training step: eager, torch.compile, Liger, onepass (GPU)")
-    bench_train.add_argument("--model", choices=models, help="a built-in model configuration (default llama-1b; "
+    bench_train = _command(bench, "train", "a whole training step of a built-in model: eager, torch.compile, "
+                                           "Liger-Kernel, onepass (GPU; --gpus N: under FSDP2)", _bench_train, hf=True)
+    bench_train.add_argument("--model", choices=models, help="a built-in model configuration (default: llama-1b; "
                                                              "llama-3b with --gpus or --max-seq)")
-    bench_train.add_argument("--batch", type=_at_least(1), help="sequences a step (a GPU); default 4 (2 with --gpus)")
-    bench_train.add_argument("--seq", type=_at_least(2), help="tokens a sequence, default 2048; with --max-seq the "
-                                                              "length the search starts from, default 4096")
+    bench_train.add_argument("--batch", type=_at_least(1), help="sequences a step (a GPU) (default: 4; 2 with --gpus)")
+    bench_train.add_argument("--seq", type=_at_least(2), help="tokens a sequence (default: 2048); with --max-seq the "
+                                                              "length the search starts from (default: 4096)")
     bench_train.add_argument("--lora", type=_at_least(0), default=0, metavar="R",
-                             help="LoRA fine-tuning: PEFT rank-R adapters on every projection, base frozen")
-    bench_train.add_argument("--variants", help="with --gpus or --max-seq: comma-separated variants (default "
+                             help="LoRA fine-tuning: PEFT rank-R adapters on every projection, base frozen "
+                                  "(0: full training)")
+    bench_train.add_argument("--variants", help="with --gpus or --max-seq: comma-separated variants (default: "
                                                 "all; with --max-seq liger,onepass)")
     bench_train.add_argument("--gpus", type=_at_least(1), default=1,
                              help="N > 1: FSDP2 over N GPUs of this host, one torchrun process per GPU "
@@ -171,13 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the longest sequence that trains at batch 1 (Liger and onepass by default)")
     bench_train.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every layer")
     bench_train.add_argument("--head-unit", action="store_true", help="the (untied) LM head an FSDP unit of its own")
-    bench_train.add_argument("--rounds", type=_at_least(1), help="rounds over the variants (default 2)")
+    bench_train.add_argument("--rounds", type=_at_least(1), help="rounds over the variants (default: 2)")
     bench_train.add_argument("--out", default="benchmarks/results", help="results folder")
-    bench_train.set_defaults(fn=_bench_train)
-    bench_generate = bench.add_parser("generate", help="greedy generation: HF generate against onepass (GPU)")
+    bench_generate = _command(bench, "generate", "greedy generation with a built-in model: Hugging Face generate "
+                                                 "(eager; static cache + torch.compile) against onepass's Decoder "
+                                                 "(GPU)", _bench_generate, hf=True)
     bench_generate.add_argument("--model", default="llama-1b", choices=models, help="a built-in model configuration")
     bench_generate.add_argument("--batch", type=_at_least(1), action="append",
-                                help="a batch size (repeatable; default 1, 8)")
+                                help="a batch size (repeatable; default: 1 and 8)")
     bench_generate.add_argument("--prompt", type=_at_least(1), default=128, help="prompt tokens")
     bench_generate.add_argument("--new", type=_at_least(2), default=256, help="new tokens (the first comes from "
                                                                             "the prompt's forward, the rest timed)")
@@ -185,18 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="skip HF generate with a static cache and torch.compile (its compile takes "
                                      "minutes)")
     bench_generate.add_argument("--out", default="benchmarks/results", help="results folder")
-    bench_generate.set_defaults(fn=_bench_generate)
-    analyze = sub.add_parser("analyze", help="where a model's HBM bytes and launches go, and what fusing saves")
     from onepass.analyze.cli import add_arguments
 
-    add_arguments(analyze)
-    analyze.set_defaults(fn=_analyze)
+    add_arguments(_command(sub, "analyze", "where a model's HBM bytes and kernel launches go, and what fusing saves "
+                                           "(no GPU needed; --measure profiles real steps on one)", _analyze, hf=True))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     _interpret_without_gpu()
     args = build_parser().parse_args(argv)
+    if args.hf and not has_transformers():
+        command = " ".join(filter(None, (args.command, getattr(args, "what", None))))
+        print(f"onepass {command}: needs transformers (its models are Hugging Face models): {HF_INSTALL}",
+              file=sys.stderr)
+        return 2
     return args.fn(args)
 
 

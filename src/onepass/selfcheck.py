@@ -4,6 +4,8 @@ reference, and its byte budget at benchmark size: what the unfused PyTorch versi
 
 On a machine without a GPU the Triton kernels run through Triton's interpreter, so
 ``TRITON_INTERPRET=1`` must be set before Triton is imported (``onepass selfcheck`` does).
+Without transformers (the ``hf`` extra) every op is still checked; the byte budgets whose
+benchmark cases take their shapes from a model (adamw_step: Llama-3.2-1B's parameters) say so.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from onepass import ops, reference
+from onepass import DISTRIBUTION, ops, reference
 from onepass.ops._launch import use_triton
 from onepass.testing import TOLERANCE, rel_error
 
@@ -160,11 +162,31 @@ def unfused_bytes(c: Check, mode: str) -> tuple[int, int]:
     return totals["bytes"], totals["launches"]
 
 
-def fused_bytes() -> dict[tuple[str, str], int]:
-    """{(op, mode): minimum bytes} from the benchmark suites' first case of each op (built without a GPU)."""
+def _cases(suite: str) -> list | None:
+    """A benchmark suite's cases (built without a GPU), or None where building them needs
+    transformers and it is not installed."""
+    try:
+        return importlib.import_module(f"onepass.bench.suites.{suite}").cases()
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "transformers":
+            raise
+        return None
+
+
+def suites_needing_transformers(suites) -> list[str]:
+    """Those of the benchmark ``suites`` whose cases cannot be built here: they need transformers."""
+    return [suite for suite in suites if _cases(suite) is None]
+
+
+def fused_bytes(without: set[str] | None = None) -> dict[tuple[str, str], int]:
+    """{(op, mode): minimum bytes} from the benchmark suites' first case of each op (built without a GPU).
+    A suite whose cases need transformers, where it is missing, gives none: its name goes to ``without``."""
     budgets: dict[tuple[str, str], int] = {}
     for suite in dict.fromkeys(c.suite for c in CHECKS):
-        for case in importlib.import_module(f"onepass.bench.suites.{suite}").cases():
+        cases = _cases(suite)
+        if cases is None and without is not None:
+            without.add(suite)
+        for case in cases or []:
             budgets.setdefault((case.op, case.mode), case.bytes)
     return budgets
 
@@ -177,7 +199,8 @@ def run(device: str = "cpu", log=print) -> bool:
         raise ValueError(f"selfcheck: the kernels do not run on {device} here (reference mode: ONEPASS_REFERENCE=1 "
                          "or onepass.reference_mode(); or a CPU without TRITON_INTERPRET=1 set before onepass is "
                          "imported), so nothing would be checked")
-    fused = fused_bytes()
+    no_transformers: set[str] = set()
+    fused = fused_bytes(no_transformers)
     tol = TOLERANCE[torch.float32]
     log(f"{'op':<21} {'max rel. err':>12} {'':<6}  bytes at benchmark size, bf16: "
         "unfused PyTorch (launches) -> fused minimum")
@@ -191,6 +214,8 @@ def run(device: str = "cpu", log=print) -> bool:
             if fused.get((c.op, mode)):  # compute-bound cases (attention), graph-only ones have none
                 moved, launches = unfused_bytes(c, analyzer_mode)
                 budget.append(f"{mode} {moved / 1e6:,.0f} MB ({launches}) -> {fused[(c.op, mode)] / 1e6:,.0f} MB")
+        if not budget and c.suite in no_transformers:
+            budget = [f"no byte budget here: its benchmark case needs transformers: pip install '{DISTRIBUTION}[hf]'"]
         budget = budget or [f"no byte budget here: see its benchmark suite ({c.suite})"]
         log(f"{c.op:<21} {err:>12.2e} {'ok' if passed else 'FAILED':<6}  {'; '.join(budget)}")
     return ok

@@ -70,12 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hugging Face config.json (or a folder holding one): its causal LM with no weights")
     parser.add_argument("--gpu", default="H100", type=_gpu_name, choices=list(GPUS),
                         help="datasheet ceilings for the roofline")
-    parser.add_argument("--mode", default="forward", choices=["forward", "train"])
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--mode", default="forward", choices=["forward", "train"],
+                        help="forward: one forward pass; train: forward and backward, the input ids as labels")
+    parser.add_argument("--batch", type=int, default=1, help="sequences a step")
     parser.add_argument("--seq", type=int, default=None, help="tokens a row (default: 2048, or the model's maximum "
                                                                  "if less)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--out", default=None, help="directory for report.json/.md/.html, roofline.svg, trace.json")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="the model's parameters and activations")
+    parser.add_argument("--out", default=None, help="directory for report.json/.md/.html, roofline.svg, trace.json, "
+                                                    "or one .json, .md or .html report (default: the terminal only)")
     parser.add_argument("--measure", action="store_true",
                         help="also run real steps on the CUDA GPU (eager, onepass, torch.compile; with CUDA "
                              "graphs for a forward) and profile them")
