@@ -149,3 +149,17 @@ def test_bench_ops_without_transformers_skips_the_suites_that_need_it(monkeypatc
     assert capsys.readouterr().err.splitlines() == [
         f"onepass bench ops: skipping optim: needs transformers: pip install '{DISTRIBUTION}[hf]'"]
     assert main(["bench", "ops", "--suite", "optim"]) == 2 and ran == [s for s in harness.SUITES if s != "optim"]
+
+
+def test_selfcheck_says_which_numpy_triton_3_6s_interpreter_needs(monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: no interpreter")
+    import numpy
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.3.1")
+    assert main(["selfcheck"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "onepass selfcheck: Triton 3.6.0's interpreter needs numpy < 2.3 (here 2.3.1): pip install 'numpy<2.3', "
+        "or Triton 3.7 or later"]

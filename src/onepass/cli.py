@@ -40,8 +40,28 @@ def _interpret_without_gpu() -> str:
     return "cpu"
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None: Triton 3.6's converts
+    one-element arrays to loop bounds the way numpy 2.3 removed."""
+    import numpy
+    import triton
+
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 3):
+        return (f"Triton {triton.__version__}'s interpreter needs numpy < 2.3 (here {numpy.__version__}): "
+                "pip install 'numpy<2.3', or Triton 3.7 or later")
+    return None
+
+
 def _selfcheck(_args) -> int:
     device = _interpret_without_gpu()
+    if device == "cpu" and _interpreter_problem():
+        print(f"onepass selfcheck: {_interpreter_problem()}", file=sys.stderr)
+        return 2
     from onepass import selfcheck
 
     where = "on the GPU" if device == "cuda" else "on the CPU through Triton's interpreter"
