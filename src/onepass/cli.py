@@ -41,6 +41,7 @@ def _interpret_without_gpu() -> str:
 
 
 def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string ("3.6.0+git" -> (3, 6))."""
     major, minor = version.split(".")[:2]
     return int(major), int(minor)
 
@@ -59,8 +60,9 @@ def _interpreter_problem() -> str | None:
 
 def _selfcheck(_args) -> int:
     device = _interpret_without_gpu()
-    if device == "cpu" and _interpreter_problem():
-        print(f"onepass selfcheck: {_interpreter_problem()}", file=sys.stderr)
+    problem = _interpreter_problem() if device == "cpu" else None
+    if problem:
+        print(f"onepass selfcheck: {problem}", file=sys.stderr)
         return 2
     from onepass import selfcheck
 
