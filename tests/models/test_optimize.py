@@ -314,6 +314,7 @@ def test_reference_mode_runs_the_pytorch_reference(how, device, monkeypatch):
 
     monkeypatch.setattr(onepass.reference, "add_rms_norm", spy)
     model, ref = _pair("llama", device)
+    calls.clear()  # optimize's probe runs the references
     ids = _batch().to(device)
     model.eval(), ref.eval()
     with torch.no_grad():
@@ -546,15 +547,20 @@ def test_export_of_an_optimized_model(device):
         _assert_close(exported.module()(ids, use_cache=False).logits, ref(ids).logits, "logits")
 
 
-def test_a_module_whose_forward_has_no_signature_is_patched(device):
-    """A forward inspect cannot read (a builtin) gets replaced as before; only HF's signature is not shown."""
-    model, _ = _pair("llama", device)
+def test_a_module_whose_own_forward_computes_something_else_keeps_it(device):
+    """A forward set on one instance (here a builtin, which inspect cannot read) is probed on its
+    own: it computes something else than the MLP, so it stays, and the other MLPs are fused."""
+    model, ref = _pair("llama", device)
     onepass.undo(model)
-    model.model.layers[0].mlp.forward = torch.sigmoid
+    model.model.layers[0].mlp.forward = ref.model.layers[0].mlp.forward = torch.sigmoid
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         onepass.optimize(model)
-    assert type(model.model.layers[0].mlp.__dict__["forward"]).__name__ == "InstanceForward"
+    assert model.model.layers[0].mlp.__dict__["forward"] is torch.sigmoid
+    assert type(model.model.layers[1].mlp.__dict__["forward"]).__name__ == "InstanceForward"
+    assert "relative error" in onepass.optimize_report(model)["activation"]
+    ids = _batch().to(device)
+    _assert_close(_loss_and_grads(model, ids)[0], _loss_and_grads(ref, ids)[0], "loss")
 
 
 def test_labels_passed_positionally(device):

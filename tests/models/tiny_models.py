@@ -33,9 +33,11 @@ _GRANITE = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_mul
 # Families optimize recognises by their parts, tested for parity and their report only (test_families.py)
 MORE_CONFIGS = {
     "mixtral": lambda: tf.MixtralConfig(**_GATED, **_MOE, num_local_experts=4, sliding_window=None),
-    # layer 1 dense (mlp_only_layers), layer 0 sparse with a gated shared expert
+    # layer 1 dense (mlp_only_layers), layer 0 sparse with a gated shared expert; a window size in the
+    # config that its full-attention layers do not apply
     "qwen2_moe": lambda: tf.Qwen2MoeConfig(**_GATED, **_MOE, num_experts=4, moe_intermediate_size=32,
-                                           shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+                                           shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                           sliding_window=5, use_sliding_window=False),
     "qwen3_moe": lambda: tf.Qwen3MoeConfig(**_GATED, **_MOE, head_dim=16, num_experts=4, moe_intermediate_size=32),
     "olmoe": lambda: tf.OlmoeConfig(**_GATED, **_MOE, num_experts=4),
     "granitemoe": lambda: tf.GraniteMoeConfig(**_GATED, **_MOE, **_GRANITE, num_local_experts=4),

@@ -47,7 +47,7 @@ def _watched(model: nn.Module, decoder: nn.ModuleList) -> list[nn.Module]:
     inside = [m for layer in decoder for m in layer.modules()]
     candidates = [m for m in inside if mlp.kind_of(m) is not None or hasattr(m, "o_proj")
                   or experts.is_experts(m)]
-    return [*probe.first_of_each_class(decoder), *probe.first_of_each_class(candidates), model.base_model, model]
+    return [*probe.first_of_each_kind(decoder), *probe.first_of_each_kind(candidates), model.base_model, model]
 
 
 def _norm_status(swapped: dict[str, NormKind], left: dict[str, str], layer_status: str) -> str:

@@ -68,18 +68,18 @@ def use_onepass_experts(patches: Patches, decoder, calls: dict | None) -> str:
     if getattr(ops, "moe_experts", None) is None:
         return f"{UNFUSED}: experts: onepass.ops.moe_experts is not in this build"
     chosen, left = {}, {}
-    for module in probe.first_of_each_class(modules):
+    for module in probe.first_of_each_kind(modules):
         why = _unsuited(module)
         if why is None:
             activation = _ACTIVATION_NAMES[activation_of(module)]
             why = probe.differs(module, experts_forward(activation), (calls or {}).get(id(module)))
         if why is None:
-            chosen[type(module)] = activation
+            chosen[probe.kind(module)] = activation
         else:
             left[type(module).__name__] = why
     for module in modules:
-        if type(module) in chosen:
-            patches.set_forward(module, experts_forward, chosen[type(module)])
+        if probe.kind(module) in chosen:
+            patches.set_forward(module, experts_forward, chosen[probe.kind(module)])
     if left:
         return f"{UNFUSED}: experts: " + "; ".join(f"{n}: {why}" for n, why in left.items())
     return (f"{FUSED}: experts as moe_experts (grouped GEMMs, activation in the epilogue) in {len(modules)} of "

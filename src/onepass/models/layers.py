@@ -145,17 +145,17 @@ def decoder_layer_forward(layout: LayerLayout, recompute: bool) -> Callable:
 def patch_layers(patches: Patches, layers, calls: dict | None, recompute: bool) -> str:
     """Give every decoder layer of a recognised layout the fused forward; the status phrase."""
     chosen, left = {}, {}
-    for layer in probe.first_of_each_class(layers):
+    for layer in probe.first_of_each_kind(layers):
         layout = layout_of(layer)
         why = layout if isinstance(layout, str) else probe.differs(
             layer, decoder_layer_forward(layout, False), (calls or {}).get(id(layer)))
         if why is None:
-            chosen[type(layer)] = layout
+            chosen[probe.kind(layer)] = layout
         else:
             left[type(layer).__name__] = why
     for layer in layers:
-        if type(layer) in chosen and layout_of(layer) == chosen[type(layer)]:
-            patches.set_forward(layer, decoder_layer_forward, chosen[type(layer)], recompute)
+        if probe.kind(layer) in chosen and layout_of(layer) == chosen[probe.kind(layer)]:
+            patches.set_forward(layer, decoder_layer_forward, chosen[probe.kind(layer)], recompute)
     if left:
         return f"{UNFUSED}: residual add + norm for {'; '.join(f'{n}: {why}' for n, why in left.items())}"
     kinds = sorted({"sandwich" if lay.attn_out_norm else "pre-norm" for lay in chosen.values()})

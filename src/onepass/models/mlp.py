@@ -149,16 +149,16 @@ def patch_mlps(patches: Patches, layers, calls: dict | None, recompute: bool) ->
     if not modules:
         return "n/a: no MLP of known parts (gate/up/down, gate_up/down, c_fc/c_proj)"
     chosen, left = {}, {}
-    for mlp in probe.first_of_each_class(modules):
+    for mlp in probe.first_of_each_kind(modules):
         found = _forward_for(mlp, False)
         why = found if isinstance(found, str) else probe.differs(mlp, found[0](*found[1]), (calls or {}).get(id(mlp)))
         if why is None:
-            chosen[type(mlp)] = found
+            chosen[probe.kind(mlp)] = found
         else:
             left[type(mlp).__name__] = why
     ops_used = set()
     for mlp in modules:
-        if type(mlp) in chosen:
+        if probe.kind(mlp) in chosen:
             make, args, name = _forward_for(mlp, recompute)
             patches.set_forward(mlp, make, *args)
             ops_used.add(name)

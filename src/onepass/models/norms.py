@@ -25,11 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from onepass import nn as onn
-from onepass.models.patches import Patches, hooked
+from onepass.models.patches import HOOK_DICTS, Patches, hooked
 
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 _PROBE_TOLERANCE = 1e-4  # relative, in fp32: eps moved or an extra factor of 1.001 is far above it
 
 
@@ -101,7 +99,7 @@ def recognise(module: nn.Module) -> NormKind | str:
         return f"no eps attribute ({', '.join(EPS_NAMES)})"
     generator = torch.Generator().manual_seed(0)
     probe = copy.deepcopy(module).to_empty(device="cpu").float()
-    for hooks in _HOOK_DICTS:  # the copy's own: a user's hooks do not see the probe
+    for hooks in HOOK_DICTS:  # the copy's own: a user's hooks do not see the probe
         getattr(probe, hooks).clear()
     with torch.no_grad():
         for p in probe.parameters():
@@ -127,7 +125,7 @@ def swap(patches: Patches, parent: nn.Module, name: str, kind: NormKind) -> None
     keep removing them)."""
     old = getattr(parent, name)
     drop_in = kind.drop_in(old)
-    for hooks in _HOOK_DICTS:
+    for hooks in HOOK_DICTS:
         setattr(drop_in, hooks, getattr(old, hooks))
     patches.set(parent, name, drop_in)
 

@@ -20,6 +20,8 @@ from onepass import nn as onn
 from onepass.ops._launch import use_triton
 
 FUSED, UNFUSED = "fused", "unfused"
+HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+              "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 RECOMPUTED = "on"  # the status of the recompute switch when something is recomputed
 
 

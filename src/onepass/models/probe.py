@@ -1,7 +1,7 @@
 """The check that a fused forward computes what the module it replaces computes.
 
 Before anything is patched, ``record`` runs the model once on a few random tokens (no
-gradient, eval mode, no cache) and keeps the call of the first module of each class among
+gradient, eval mode, no cache) and keeps the call of the first module of each kind among
 those that a patch would replace: its arguments and its output. ``differs`` then runs the
 fused forward on those arguments, every onepass op as its PyTorch reference (the check is of
 the structure, the kernels have tests of their own), and compares. A fused forward that
@@ -18,12 +18,15 @@ None and the report says "not probed").
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
+from onepass.models.patches import HOOK_DICTS
 from onepass.ops._launch import reference_mode
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -47,6 +50,25 @@ def _first(output: Any) -> Tensor | None:
     return getattr(output, "logits", None) if hasattr(output, "logits") else None
 
 
+@contextlib.contextmanager
+def _hooks_off(root: nn.Module) -> Iterator[None]:
+    """The module hooks of ``root`` and its submodules set aside: the probe sees what the modules
+    compute, and a user's hooks do not see the probe (the fused forwards honour them when run)."""
+    saved = [(m, name, getattr(m, name)) for m in root.modules() for name in HOOK_DICTS]
+    for m, name, _ in saved:
+        setattr(m, name, OrderedDict())
+    try:
+        yield
+    finally:
+        for m, name, hooks in saved:
+            setattr(m, name, hooks)
+
+
+def kind(module: nn.Module) -> tuple:
+    """What one probe stands for: the module's class, and its own forward if it has one."""
+    return type(module), id(module.__dict__.get("forward"))
+
+
 def record(model: nn.Module, modules: Iterable[nn.Module]) -> dict[int, Call] | None:
     """One forward of ``model`` (a causal LM) on ``TOKENS`` random ids, recording each call of
     ``modules`` (by ``id``; a module called twice keeps its first call); None if the weights
@@ -59,18 +81,18 @@ def record(model: nn.Module, modules: Iterable[nn.Module]) -> dict[int, Call] | 
     def hook(module, args, kwargs, output):
         calls.setdefault(id(module), Call(args, dict(kwargs), output))
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in dict.fromkeys(modules)]
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, TOKENS), generator=torch.Generator().manual_seed(0)).to(weight.device)
     training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+        with _hooks_off(model), torch.no_grad():
+            for m in dict.fromkeys(modules):
+                m.register_forward_hook(hook, with_kwargs=True)  # (on the set-aside registries' stand-ins)
+            # an all-ones mask: HF's check of the position ids for packed sequences stays off (a host sync)
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     finally:
         model.train(training)
-        for handle in handles:
-            handle.remove()
     return calls
 
 
@@ -82,7 +104,7 @@ def differs(module: nn.Module, forward: Callable, call: Call | None) -> str | No
     training = module.training
     module.eval()
     try:
-        with torch.no_grad(), reference_mode():
+        with _hooks_off(module), torch.no_grad(), reference_mode():
             out = forward(module, *call.args, **call.kwargs)
     except Exception as error:  # noqa: BLE001 - any failure means the fused forward does not fit this module
         return f"the fused forward fails on a probe ({type(error).__name__}: {error})"
@@ -103,9 +125,10 @@ def mismatch(out: Tensor | None, ref: Tensor | None) -> str | None:
     return None
 
 
-def first_of_each_class(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """The first module of each class (one probe a class: they share their code)."""
-    seen: dict[type, nn.Module] = {}
+def first_of_each_kind(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The first module of each ``kind`` (one probe a class: they share their code; a module
+    with a forward of its own is a kind of its own)."""
+    seen: dict[tuple, nn.Module] = {}
     for m in modules:
-        seen.setdefault(type(m), m)
+        seen.setdefault(kind(m), m)
     return list(seen.values())

@@ -107,12 +107,25 @@ def rotary_attention_forward(rope: Callable, parts: AttentionParts) -> Callable:
             self, q, k, v, attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
-            sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
+            sliding_window=sliding_window_of(self),
             **({"softcap": softcap} if softcap is not None else {}), **kwargs,
         )
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     return forward
+
+
+def sliding_window_of(attn: nn.Module) -> int | None:
+    """The sliding window of ``attn``'s layer as transformers' masks apply it: the config's
+    ``sliding_window`` on the layers ``layer_types`` marks "sliding_attention" (on every layer
+    of a config without ``layer_types``: Mistral); None, or 0, is no window. (A module's own
+    attribute is not the rule: Qwen2-MoE's full layers lack it while the config holds a size.)"""
+    config = attn.config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types and types[attn.layer_idx] != "sliding_attention":
+        return None
+    return window or None
 
 
 def _static_layer(cache, layer_idx: int, k: Tensor, v: Tensor):
@@ -158,7 +171,7 @@ def patch_attention(patches: Patches, layers, calls: dict | None) -> str:
     if any(m is None for m in modules):
         return f"{UNFUSED}: decoder layers without a self_attn"
     chosen, left = {}, {}
-    for attn in probe.first_of_each_class(modules):
+    for attn in probe.first_of_each_kind(modules):
         parts = parts_of(attn)
         if isinstance(parts, str):
             left[type(attn).__name__] = parts
@@ -169,13 +182,13 @@ def patch_attention(patches: Patches, layers, calls: dict | None) -> str:
             parts = AttentionParts(parts.fused_qkv, parts.qk_norm, style)
             why = probe.differs(attn, rotary_attention_forward(rope, parts), call)
             if why is None:
-                chosen[type(attn)] = parts
+                chosen[probe.kind(attn)] = parts
                 break
         if why is not None:
             left[type(attn).__name__] = why
     for attn in modules:
-        if type(attn) in chosen:
-            patches.set_forward(attn, rotary_attention_forward, rope, chosen[type(attn)])
+        if probe.kind(attn) in chosen:
+            patches.set_forward(attn, rotary_attention_forward, rope, chosen[probe.kind(attn)])
     if left:
         listing = "; ".join(f"{name}: {why}" for name, why in left.items())
         return f"{UNFUSED}: {listing}" + (f" ({len(chosen)} other classes fused)" if chosen else "")
