@@ -42,6 +42,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from onepass import DISTRIBUTION
 from onepass.models.cache import DECODE_LENGTHS, cache_keyword
 from onepass.ops._launch import is_int, is_number
 
@@ -91,7 +92,7 @@ class Decoder:
         try:
             import transformers  # noqa: F401  (the cache is transformers')
         except ImportError as e:
-            raise ImportError("onepass.generate needs transformers (pip install 'onepass[hf]')") from e
+            raise ImportError(f"onepass.generate needs transformers (pip install '{DISTRIBUTION}[hf]')") from e
         config = getattr(model, "config", None)
         if config is None or getattr(model, "get_output_embeddings", lambda: None)() is None:
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")

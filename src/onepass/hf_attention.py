@@ -68,7 +68,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
 def register_when_imported() -> None:
     """``register`` now if transformers is imported, else once it is (nothing if it is not installed)."""
-    if "transformers" in sys.modules:
+    if sys.modules.get("transformers") is not None:  # (None: hidden, as a test hides it)
         register()
     elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())

@@ -26,6 +26,7 @@ import warnings
 import torch
 from torch import nn
 
+from onepass import DISTRIBUTION
 from onepass.models import distributed
 from onepass.models.lora import patch_lora
 from onepass.models.patches import FUSED, RECOMPUTED, Patches
@@ -48,7 +49,7 @@ def untested_transformers() -> str | None:
     from packaging.requirements import Requirement
 
     try:
-        requires = metadata.requires("onepass") or []
+        requires = metadata.requires(DISTRIBUTION) or []
     except metadata.PackageNotFoundError:
         return None
     import transformers
@@ -58,7 +59,7 @@ def untested_transformers() -> str | None:
         if req.name == "transformers" and not req.specifier.contains(transformers.__version__, prereleases=True):
             return (f"transformers {transformers.__version__} is not among the releases onepass was tested with "
                     f"({req.specifier}): a patched forward may miss what this one passes it; compare the "
-                    "optimized model's outputs with onepass.undo(model)'s, or install onepass[hf]'s range")
+                    f"optimized model's outputs with onepass.undo(model)'s, or install {DISTRIBUTION}[hf]'s range")
     return None
 
 

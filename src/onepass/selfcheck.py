@@ -74,6 +74,16 @@ def _lora(device, big):
             torch.randn(r, k, device=device, dtype=dtype) / k**0.5, torch.randn(n, r, device=device, dtype=dtype))
 
 
+def _moe(device, big):
+    """Tokens, router weights, expert weights, then the top-k expert ids (Qwen3-30B-A3B's layer at benchmark size)."""
+    (tokens, hidden, inter, experts, top_k), dtype = (((8192, 2048, 768, 128, 8), torch.bfloat16) if big
+                                                      else ((7, 32, 24, 4, 2), torch.float32))
+    weights, index = torch.randn(tokens, experts, device=device).softmax(-1).topk(top_k)
+    return (torch.randn(tokens, hidden, device=device, dtype=dtype), weights.to(dtype),
+            torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype) / hidden**0.5,
+            torch.randn(experts, hidden, inter, device=device, dtype=dtype) / inter**0.5, index)
+
+
 def _qkv(device, big):
     (b, hq, hk, s, d), dtype = ((16, 32, 32, 1024, 128), torch.bfloat16) if big else ((2, 4, 2, 37, 32), torch.float32)
     return (torch.randn(b, hq, s, d, device=device, dtype=dtype),
@@ -119,6 +129,8 @@ CHECKS = [
     Check("cross_entropy", "loss", _logits, lambda m, x, t: m.cross_entropy(x, t, label_smoothing=0.1), n_grad=1),
     Check("linear_cross_entropy", "loss", _lm_head, lambda m, h, w, t: m.linear_cross_entropy(h, w, t), n_grad=2),
     Check("lora_linear", "lora", _lora, lambda m, x, w, a, b: m.lora_linear(x, w, a, b, 2.0)),
+    Check("moe_experts", "moe", _moe, lambda m, x, w, gu, dn, idx: m.moe_experts(x, idx, w, gu, dn), n_grad=4,
+          meta=False),
     Check("attention", "attention", _qkv, lambda m, q, k, v: m.attention(q, k, v, causal=True)),
     Check("decode_attention", "attention", _kv_cache,
           lambda m, q, k, v, lengths: m.decode_attention(q, k, v, lengths), n_grad=0, meta=False),
