@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from onepass import ops
-from onepass.ops import _launch
+from onepass.ops import dispatch
 
 ce = importlib.import_module("onepass.ops.cross_entropy")
 
@@ -32,7 +32,7 @@ def main():
             ce.CE_GRAD_BY_DEVICE = table
             loss = ops.cross_entropy(x, t)
             (grad,) = torch.autograd.grad(loss, x)
-            kernel = [k for key, k in _launch._compiled_kernels.items() if key[0] is ce._cross_entropy_fwd_kernel][-1]
+            kernel = [k for key, k in dispatch._compiled_kernels.items() if key[0] is ce._cross_entropy_fwd_kernel][-1]
 
             def step():
                 ops.cross_entropy(x, t).backward()

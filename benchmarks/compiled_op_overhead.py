@@ -19,7 +19,7 @@ from torch.library import triton_op, wrap_triton
 
 from onepass import ops, reference
 from onepass.ops import norm
-from onepass.ops._launch import row_settings
+from onepass.ops.dispatch import row_settings
 
 CALLS = 32
 

@@ -13,7 +13,7 @@ import time
 import torch
 
 import onepass.ops.norm as norm
-from onepass.ops._launch import launch
+from onepass.ops.dispatch import launch
 
 ROWS, N = 16384, 4096
 

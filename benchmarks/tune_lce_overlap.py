@@ -24,8 +24,8 @@ import torch
 from triton.testing import do_bench
 
 from onepass.bench.harness import kernel_ms, measure_ceilings
-from onepass.ops._gemm import accumulate_mm
 from onepass.ops.cross_entropy import ce_rows, count_targets
+from onepass.ops.gemm import accumulate_mm
 
 lce = importlib.import_module("onepass.ops.linear_cross_entropy")  # (the package exports the function by that name)
 TOKENS, HIDDEN, VOCAB, CHUNK = 8192, 2048, 128256, 2048

@@ -24,7 +24,7 @@ from onepass import ops
 from onepass.bench.harness import kernel_ms, measure_ceilings
 
 ce = importlib.import_module("onepass.ops.cross_entropy")
-_launch = importlib.import_module("onepass.ops._launch")
+dispatch = importlib.import_module("onepass.ops.dispatch")
 TOKENS, HIDDEN, VOCAB = 8192, 2048, 128256
 
 
@@ -52,7 +52,7 @@ def sweep_ce(copy):
         ce.CE_MAX_BLOCK, ce.CE_MAX_WARPS = block, warps
         loss = ops.cross_entropy(x, t)
         (grad,) = torch.autograd.grad(loss, x)
-        compiled = [k for key, k in _launch._compiled_kernels.items() if key[0] is ce._cross_entropy_fwd_kernel][-1]
+        compiled = [k for key, k in dispatch._compiled_kernels.items() if key[0] is ce._cross_entropy_fwd_kernel][-1]
         err = (grad.float() - ref_grad).abs().max().item()
         # a bf16 loss: within one rounding; bf16 gradients ~1e-4 at most
         ok = abs(loss.item() - ref_loss.item()) <= 2**-7 * abs(ref_loss.item()) and err < 2e-6

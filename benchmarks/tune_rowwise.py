@@ -4,7 +4,7 @@
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
-ops/_launch.py cite these results.
+ops/dispatch.py cite these results.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from onepass import DISTRIBUTION
 from onepass.models.cache import DECODE_LENGTHS, cache_keyword
-from onepass.ops._launch import is_int, is_number
+from onepass.ops.dispatch import is_int, is_number
 
 WARMUP_STEPS = 2  # eager steps before the first capture
 CHECK_EVERY = 16  # decode steps between reads of the finished flags (each read is a host sync)

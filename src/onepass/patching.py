@@ -31,8 +31,8 @@ from onepass.models import distributed
 from onepass.models.lora import patch_lora
 from onepass.models.patches import FUSED, RECOMPUTED, Patches
 from onepass.models.registry import patcher
-from onepass.ops import _launch
-from onepass.ops._launch import reference_mode  # noqa: F401 - public as onepass.reference_mode
+from onepass.ops import dispatch
+from onepass.ops.dispatch import reference_mode  # noqa: F401 - public as onepass.reference_mode
 
 SWITCHES = ("norm", "activation", "rope", "attention", "loss", "lora", "recompute")
 
@@ -140,7 +140,7 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
         listing = "; ".join(f"{k}: {v}" for k, v in unfused.items())
         warnings.warn(f"onepass.optimize({type(hf).__name__}): partly fused. {listing}", stacklevel=2)
     weight = next(hf.parameters(), None)
-    if weight is not None and weight.device.type == "cpu" and not _launch.interpreting():
+    if weight is not None and weight.device.type == "cpu" and not dispatch.interpreting():
         warnings.warn(f"onepass.optimize({type(hf).__name__}): the model is on the CPU, where onepass ops run their "
                       "PyTorch reference (nothing fused runs; TRITON_INTERPRET=1 runs the kernels through Triton's "
                       "interpreter): move it to a CUDA GPU", stacklevel=2)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from onepass import DISTRIBUTION, ops, reference
-from onepass.ops._launch import use_triton
+from onepass.ops.dispatch import use_triton
 from onepass.testing import TOLERANCE, rel_error
 
 

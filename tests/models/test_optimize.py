@@ -258,9 +258,9 @@ def test_model_dispatched_by_accelerate_is_refused(tmp_path):
 
 def test_a_model_on_the_cpu_without_the_interpreter_is_warned_about(monkeypatch):
     """There every op runs its PyTorch reference: the report's "fused" would be all the user saw."""
-    from onepass.ops import _launch
+    from onepass.ops import dispatch
 
-    monkeypatch.setattr(_launch, "_INTERPRETING", False)
+    monkeypatch.setattr(dispatch, "_INTERPRETING", False)
     with pytest.warns(UserWarning, match="on the CPU"):
         onepass.optimize(tiny.build("llama"))
 

@@ -1,4 +1,4 @@
-"""The lean launch path (ops._launch.launch) must launch the kernel Triton would for every
+"""The lean launch path (ops.dispatch.launch) must launch the kernel Triton would for every
 specialization of the arguments: it caches compiled kernels by what the binder reports."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onepass.ops._launch import launch
+from onepass.ops.dispatch import launch
 
 
 @triton.jit
@@ -43,12 +43,12 @@ def test_device_setting_follows_the_gpu_name(monkeypatch):
     the CPU and no device take the default (the cross-entropy kernel's H100 setting, here)."""
     from types import SimpleNamespace
 
-    from onepass.ops import _launch
+    from onepass.ops import dispatch
     from onepass.ops.cross_entropy import CE_MAX_BLOCK, CE_MAX_WARPS, ce_settings
 
     cuda = torch.device("cuda", 0)
     for name, want in (("NVIDIA H100 80GB HBM3", (32768, 32)), ("NVIDIA H200", (CE_MAX_BLOCK, CE_MAX_WARPS))):
-        monkeypatch.setattr(_launch, "_cuda_properties", lambda device, n=name: SimpleNamespace(name=n))
+        monkeypatch.setattr(dispatch, "_cuda_properties", lambda device, n=name: SimpleNamespace(name=n))
         assert ce_settings(128256, True, cuda) == want
         assert ce_settings(128256, False, cuda) == ce_settings(128256, False)  # forward only: one setting
     assert ce_settings(128256, True, torch.device("cpu")) == ce_settings(128256) == (CE_MAX_BLOCK, CE_MAX_WARPS)

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from onepass.analyze.gpus import GPU, measured_gpu
-from onepass.analyze.record import Trace, _loss_of
+from onepass.analyze.record import Trace, loss_of
 
 PROFILED_STEPS = 3
 
@@ -29,7 +29,7 @@ def _runner(fn: Callable, inputs: tuple, mode: str) -> Callable[[], None]:
     def run():
         out = fn(*inputs)
         if mode == "train":
-            _loss_of(out).backward()
+            loss_of(out).backward()
 
     return run
 

@@ -372,7 +372,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
-def _loss_of(out: Any) -> torch.Tensor:
+def loss_of(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
@@ -430,7 +430,7 @@ def record(fn: Callable, inputs: tuple, *, model: Optional[torch.nn.Module] = No
     try:
         with torch.set_grad_enabled(mode == "train"), tracker, recorder, _FusedAttention(recorder), node_modules:
             out = fn(*inputs)
-            results = [_loss_of(out)] if mode == "train" else _tensors(out)
+            results = [loss_of(out)] if mode == "train" else _tensors(out)
             if mode == "train":
                 recorder.phase = "backward"
                 results[0].backward()

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from onepass import ops
 from onepass.models.patches import FUSED, UNFUSED, Patches, nodes_run, unhooked
 from onepass.ops import lora as lora_ops
-from onepass.ops._launch import autocast_inputs, use_triton
+from onepass.ops.dispatch import autocast_inputs, use_triton
 
 
 def _lora_linear_class() -> type | None:

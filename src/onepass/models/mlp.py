@@ -28,7 +28,7 @@ from onepass.models.patches import FUSED, UNFUSED, Patches, call, hooked, plain
 from onepass.models.recompute import after_norm, with_recomputed
 from onepass.ops import activation
 from onepass.ops import projections as projection_ops
-from onepass.ops._launch import use_triton
+from onepass.ops.dispatch import use_triton
 
 ACT_NAMES = ("act_fn", "activation_fn", "act")
 _REFERENCES = {activation.SILU: F.silu, activation.GELU_TANH: functools.partial(F.gelu, approximate="tanh"),

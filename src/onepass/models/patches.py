@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from onepass import nn as onn
-from onepass.ops._launch import use_triton
+from onepass.ops.dispatch import use_triton
 
 FUSED, UNFUSED = "fused", "unfused"
 HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",

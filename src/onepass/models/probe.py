@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from onepass.models.patches import HOOK_DICTS
-from onepass.ops._launch import reference_mode
+from onepass.ops.dispatch import reference_mode
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 TOKENS = 8  # the probe's sequence: longer than the tests' sliding windows

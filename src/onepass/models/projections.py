@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from onepass.models import lora
 from onepass.models.patches import plain
 from onepass.ops import projections
-from onepass.ops._launch import use_triton
+from onepass.ops.dispatch import use_triton
 
 
 def fusable(x: Tensor, modules: tuple[nn.Module, ...]) -> bool:

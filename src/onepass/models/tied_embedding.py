@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from onepass.models.patches import unhooked
-from onepass.ops._launch import use_triton
+from onepass.ops.dispatch import use_triton
 from onepass.ops.tied_embedding import tied_embedding
 
 # Embedding subclasses whose forward is nn.Embedding's times their ``embed_scale``.

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.dispatch import (
     as_rows,
     cdiv,
     check_float,
@@ -49,7 +49,7 @@ from onepass.ops._launch import (
     route,
     use_triton,
 )
-from onepass.ops._partials import sum_partials
+from onepass.ops.partials import sum_partials
 
 # Activation ids, compile-time constants of the kernels.
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
@@ -71,7 +71,7 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _act_and_grad(z, ACT: tl.constexpr, WANT_GRAD: tl.constexpr):
+def act_and_grad(z, ACT: tl.constexpr, WANT_GRAD: tl.constexpr):
     """a(z) and, when asked, a'(z), in fp32."""
     if ACT == 0:  # silu
         s = _sigmoid(z)
@@ -122,7 +122,7 @@ def _act_fwd_kernel(
     pid_m, pid_n = _tile_ids(n_cols, BLOCK_N)
     offs, cols, mask = _tile(pid_m, pid_n, n_rows, n_cols, x_row_stride, BLOCK_M, BLOCK_N)
     z = _pre_activation(x_ptr, b_ptr, offs, cols, mask, n_cols, HAS_BIAS)
-    y, _ = _act_and_grad(z, ACT, False)
+    y, _ = act_and_grad(z, ACT, False)
     if GATED:
         u_offs, _, _ = _tile(pid_m, pid_n, n_rows, n_cols, u_row_stride, BLOCK_M, BLOCK_N)
         y *= tl.load(u_ptr + u_offs, mask=mask, other=0.0).to(tl.float32)
@@ -167,7 +167,7 @@ def _act_bwd_kernel(
         x_next = tl.load(x_ptr + nxt[:, None] * x_row_stride + cols[None, :], mask=more, other=0.0)
         if HAS_BIAS:
             z += bias
-        a, da = _act_and_grad(z, ACT, True)
+        a, da = act_and_grad(z, ACT, True)
         out = rows[:, None] * n_cols + cols[None, :]
         if GATED:
             u = tl.load(u_ptr + rows[:, None] * u_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)

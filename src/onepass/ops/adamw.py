@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import FLOAT_DTYPES, cdiv, is_number, launch, use_triton
+from onepass.ops.dispatch import FLOAT_DTYPES, cdiv, is_number, launch, use_triton
 from onepass.reference.optim import bias_corrections
 
 # Values a program, warps: fixed (memory-bound, 16-byte loads); measured on an H200 only by a script not in the

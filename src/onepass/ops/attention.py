@@ -67,7 +67,17 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.attention_tiles import (
+    LOG2E,
+    load_rows,
+    online_softmax_tiles,
+    row_offsets,
+    scores,
+    softmax_finish,
+    store_rows,
+    visible,
+)
+from onepass.ops.dispatch import (
     cdiv,
     check_float,
     check_same_device,
@@ -84,16 +94,6 @@ from onepass.ops._launch import (
     tracing,
     unit_stride,
     use_triton_dot,
-)
-from onepass.ops.attention_tiles import (
-    LOG2E,
-    load_rows,
-    online_softmax_tiles,
-    row_offsets,
-    scores,
-    softmax_finish,
-    store_rows,
-    visible,
 )
 from onepass.reference.attention import window_bounds
 

@@ -57,7 +57,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.dispatch import (
     as_rows,
     cdiv,
     check_float,

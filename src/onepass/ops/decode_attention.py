@@ -36,7 +36,9 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.attention import MAX_HEAD_DIM, block_d_for, precision_for
+from onepass.ops.attention_tiles import online_softmax_tiles, row_offsets, softmax_finish
+from onepass.ops.dispatch import (
     cdiv,
     check_float,
     check_same_device,
@@ -51,8 +53,6 @@ from onepass.ops._launch import (
     unit_stride,
     use_triton,
 )
-from onepass.ops.attention import MAX_HEAD_DIM, block_d_for, precision_for
-from onepass.ops.attention_tiles import online_softmax_tiles, row_offsets, softmax_finish
 
 # (BLOCK_N, num_warps, num_stages) per padded head dim (up to 64: the 64 row): untimed starting points that
 # no script in benchmarks/ sweeps yet (`onepass bench ops --suite attention` times the decode shapes).

@@ -39,7 +39,9 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.activation import GATED_ACTIVATIONS, act_and_grad
+from onepass.ops.attention import precision_for
+from onepass.ops.dispatch import (
     as_rows,
     cdiv,
     check_float,
@@ -52,8 +54,6 @@ from onepass.ops._launch import (
     route,
     use_triton_dot,
 )
-from onepass.ops.activation import GATED_ACTIVATIONS, _act_and_grad
-from onepass.ops.attention import precision_for
 
 MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS, which won at 64 (CHANGELOG.md)
 MAX_WEIGHTS = 3
@@ -113,7 +113,7 @@ def _decode_linear_kernel(
         if GATED:
             acc_up += tl.load(b1_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc, _ = _act_and_grad(acc, ACT, False)
+        acc, _ = act_and_grad(acc, ACT, False)
         acc = acc * acc_up
     if HAS_RESIDUAL:  # one weight only
         r = r_ptr + rows.to(tl.int64)[:, None] * r_row_stride + feats[None, :]

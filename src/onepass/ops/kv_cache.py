@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops._launch import cdiv, launch, next_power_of_2
+from onepass.ops.dispatch import cdiv, launch, next_power_of_2
 
 BLOCK_VALUES = 4096  # values of k (and of v) copied a loop step
 

@@ -44,8 +44,15 @@ import torch
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._gemm import accumulate_mm
-from onepass.ops._launch import (
+from onepass.ops.cross_entropy import (
+    ce_rows,
+    check_loss_options,
+    consume_forward_grad,
+    count_targets,
+    reduce_loss,
+    scaled_grad,
+)
+from onepass.ops.dispatch import (
     as_rows,
     cdiv,
     check_dtype_option,
@@ -57,14 +64,7 @@ from onepass.ops._launch import (
     is_int,
     use_triton,
 )
-from onepass.ops.cross_entropy import (
-    ce_rows,
-    check_loss_options,
-    consume_forward_grad,
-    count_targets,
-    reduce_loss,
-    scaled_grad,
-)
+from onepass.ops.gemm import accumulate_mm
 
 # Tunables: the dW GEMM's arithmetic intensity in flop per byte of accumulator traffic
 # (sets the chunk: 512 x accumulator element size tokens), and the chunk rounding.

@@ -43,8 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._gemm import accumulate_mm
-from onepass.ops._launch import (
+from onepass.ops.dispatch import (
     as_rows,
     autocast_inputs,
     check_float,
@@ -58,6 +57,7 @@ from onepass.ops._launch import (
     route,
     use_triton,
 )
+from onepass.ops.gemm import accumulate_mm
 
 
 def _mm_as(dtype: torch.dtype, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:

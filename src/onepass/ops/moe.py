@@ -65,7 +65,9 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.activation import GATED_ACTIVATIONS, act_and_grad
+from onepass.ops.attention import precision_for
+from onepass.ops.dispatch import (
     autocast_inputs,
     cdiv,
     check_float,
@@ -80,9 +82,7 @@ from onepass.ops._launch import (
     unit_stride,
     use_triton_dot,
 )
-from onepass.ops._partials import sum_partials
-from onepass.ops.activation import GATED_ACTIVATIONS, _act_and_grad
-from onepass.ops.attention import precision_for
+from onepass.ops.partials import sum_partials
 
 # ----------------------------------------------------------------------- settings
 
@@ -224,7 +224,7 @@ def _moe_up_kernel(
     col_ok = cols < inter
     g, u = _tile_mm(x_ptr, tokens * x_row_stride, row_ok, w_ptr + e.to(tl.int64) * w_stride_e, cols, col_ok,
                     hidden, w_stride_k, w_stride_n, inter * w_stride_n, True, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    a, _ = _act_and_grad(g, ACT, False)
+    a, _ = act_and_grad(g, ACT, False)
     mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     tl.store(h_ptr + rows64 * inter + cols[None, :], (a * u).to(h_ptr.dtype.element_ty), mask=mask)
@@ -265,7 +265,7 @@ def _act_bwd_epilogue(dh, rows64, row_ok, slot, w, cols, inter, gu_ptr, dgu_ptr,
     gu = gu_ptr + rows64 * (2 * inter) + cols[None, :]
     g = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu + inter, mask=mask, other=0.0).to(tl.float32)
-    a, da = _act_and_grad(g, ACT, True)
+    a, da = act_and_grad(g, ACT, True)
     h = a * u
     dw = tl.sum(dh * h, axis=1)
     if WRITE_HW:

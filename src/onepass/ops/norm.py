@@ -42,7 +42,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.dispatch import (
     as_rows,
     cdiv,
     check_dtype_option,
@@ -61,7 +61,7 @@ from onepass.ops._launch import (
     row_settings,
     use_triton,
 )
-from onepass.ops._partials import sum_partials
+from onepass.ops.partials import sum_partials
 
 
 def bwd_programs_per_sm(block: int) -> int:

@@ -25,7 +25,7 @@ Both nodes are registered ops (``onepass::linears``, ``onepass::gated_mlp`` and 
 backwards), which a compiled graph keeps whole, where Inductor, given the projections one by
 one, sums the input gradients with add kernels and keeps the MLP's product for backward.
 Eager calls go through plain ``autograd.Function`` nodes instead (less host time, as
-``_launch.eager_autograd`` says). Callers decide when they apply (``onepass.models.projections``).
+``dispatch.eager_autograd`` says). Callers decide when they apply (``onepass.models.projections``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onepass.ops import activation
-from onepass.ops._launch import autocast_inputs, eager_autograd, first_order_only, registered_outputs, route, tracing
 from onepass.ops.decode_linear import MAX_WEIGHTS, decode_gated, decode_linear, rows_fit
+from onepass.ops.dispatch import autocast_inputs, eager_autograd, first_order_only, registered_outputs, route, tracing
 
 
 def decoding(x: Tensor, params: list[Tensor | None]) -> bool:

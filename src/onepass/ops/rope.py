@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops._launch import (
+from onepass.ops.dispatch import (
     cdiv,
     check_float,
     check_same_device,

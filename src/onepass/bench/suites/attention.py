@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from onepass import ops, reference
 from onepass.bench.case import Case, fwd, fwd_bwd, variants
-from onepass.ops._launch import cdiv
+from onepass.ops.dispatch import cdiv
 
 DTYPE = torch.bfloat16
 TOKENS, HEADS, HEAD_DIM = 16384, 32, 128

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from onepass import ops
 from onepass.bench.case import Case, variants
-from onepass.ops._launch import cdiv
+from onepass.ops.dispatch import cdiv
 
 DTYPE = torch.bfloat16
 ROWS = (1, 8)

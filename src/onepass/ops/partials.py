@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops._launch import cdiv, launch
+from onepass.ops.dispatch import cdiv, launch
 
 # [partials, columns] tile a program sums at a time; the partials are still in L2 from the kernel that wrote them.
 # Chosen by a one-off sweep (on an H200) whose script is not in the tree; its numbers are in CHANGELOG.md.
