@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import time
 import warnings
 
@@ -53,10 +57,17 @@ def _loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def try_family(model_type: str) -> dict:
-    torch.set_num_threads(1)  # one family a process
+def try_family(model_type: str, timeout: float = 600) -> dict:
+    """``_try_family`` in a process of its own: a family that crashes or hangs fails alone."""
     start = time.time()
-    row = _try_family(model_type)
+    try:
+        done = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        row = json.loads(lines[-1]) if lines else {
+            "model_type": model_type, "error": f"failed: exit {done.returncode}: {done.stderr.strip()[-100:]}"}
+    except subprocess.TimeoutExpired:
+        row = {"model_type": model_type, "error": f"failed: over {timeout:.0f} s"}
     row["seconds"] = time.time() - start
     return row
 
@@ -88,6 +99,10 @@ def _try_family(model_type: str) -> dict:
         ref_loss, ref_grads = _loss_and_grads(ref, ids)
         errors = [rel_error(loss, ref_loss)] + [rel_error(grads[n], g) for n, g in ref_grads.items() if n in grads]
         row["error"] = f"{max(errors):.1e}" + ("" if grads.keys() == ref_grads.keys() else " (gradients missing)")
+    except ValueError as error:
+        if "no list of decoder layers" not in str(error):
+            raise
+        row["error"] = "refused: not a decoder-only causal LM (no list of decoder layers)"
     except Exception as error:  # noqa: BLE001
         row["error"] = f"failed: {type(error).__name__}: {str(error)[:100]}"
     return row
@@ -106,7 +121,7 @@ def main(model_types: list[str], jobs: int, out: pathlib.Path) -> None:
     model_types = model_types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     lines = ["| model_type | norm | activation | rope | attention | loss | max rel. error (loss, grads) |",
              "|---|---|---|---|---|---|---|"]
-    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         for row in pool.map(try_family, model_types):
             cells = [_cell(row.get(k)) for k in ("norm", "activation", "rope", "attention", "loss")]
             lines.append(f"| {row['model_type']} | " + " | ".join(cells) + f" | {row.get('error', '')} |")
@@ -125,5 +140,9 @@ if __name__ == "__main__":
     parser.add_argument("model_types", nargs="*", help="model types to try (default: every causal-LM type)")
     parser.add_argument("--jobs", type=int, default=1, help="families tried at once, one process each")
     parser.add_argument("--out", type=pathlib.Path, default=OUT, help="the Markdown table written")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # (a worker: one family, its row as JSON)
     args = parser.parse_args()
-    main(args.model_types, args.jobs, args.out)
+    if args.one:
+        print(json.dumps(_try_family(args.one)))
+    else:
+        main(args.model_types, args.jobs, args.out)
