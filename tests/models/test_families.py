@@ -158,3 +158,15 @@ def test_a_model_on_meta_is_patched_without_a_probe():
     _optimized(model)
     report = onepass.optimize_report(model)
     assert "not probed" in report["rope"] and type(model.model.norm) is onepass.nn.RMSNorm
+
+
+def test_a_model_whose_own_forward_fails_is_refused_clearly():
+    ref = tiny.build("llama")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("needs inputs onepass does not give")
+
+    _subclass_with_forward(ref.model.layers[1], forward)
+    with pytest.raises(ValueError, match="own forward fails on 8 random tokens.*needs inputs"):
+        onepass.optimize(ref)
+    assert "forward" not in ref.model.layers[0].__dict__  # nothing was patched

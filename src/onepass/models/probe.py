@@ -91,6 +91,10 @@ def record(model: nn.Module, modules: Iterable[nn.Module]) -> dict[int, Call] | 
                 m.register_forward_hook(hook, with_kwargs=True)  # (on the set-aside registries' stand-ins)
             # an all-ones mask: HF's check of the position ids for packed sequences stays off (a host sync)
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception as error:
+        raise ValueError(f"onepass.optimize: {type(model).__name__}'s own forward fails on {TOKENS} random tokens "
+                         f"({type(error).__name__}: {error}); onepass checks every fused part against it, so it "
+                         "cannot optimize this model") from error
     finally:
         model.train(training)
     return calls
