@@ -117,7 +117,6 @@ def _cell(status: str | None) -> str:
 
 
 def main(model_types: list[str], jobs: int, out: pathlib.Path) -> None:
-    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_types = model_types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -129,6 +128,12 @@ def main(model_types: list[str], jobs: int, out: pathlib.Path) -> None:
             error = " ".join(row.get("error", "").replace("|", "/").split())  # one table cell
             lines.append(f"| {row['model_type']} | " + " | ".join(cells) + f" | {error} |")
             print(lines[-1], f"({row['seconds']:.0f} s)", flush=True)
+            _write(out, lines)  # after each row: a long sweep cut short keeps what it found
+
+
+def _write(out: pathlib.Path, lines: list[str]) -> None:
+    import transformers
+
     out.write_text(f"# Family coverage\n\n`TRITON_INTERPRET=1 python benchmarks/family_coverage.py`, transformers "
                    f"{transformers.__version__}, torch {torch.__version__}, CPU (fp32, interpreter). Each causal-LM "
                    "model_type of transformers, built at toy size from its config class with default settings "
