@@ -34,7 +34,7 @@ def _fused_keywords(model_class: type) -> frozenset[str]:
 
 
 def causal_lm_forward(original: Callable, softcap: float | None, scale: float | None,
-                      fused_keywords: frozenset[str]) -> Callable:
+                      fused_keywords: frozenset[str], dynamic_cache: bool = True) -> Callable:
     """With labels in training: the base model, then the LM head and the shifted
     cross-entropy in one ``linear_cross_entropy`` (logits never materialised; the output's
     ``logits`` is None). Otherwise (inference, generate, no labels) the original forward
@@ -76,7 +76,8 @@ def causal_lm_forward(original: Callable, softcap: float | None, scale: float | 
         use_cache = kwargs.get("use_cache")
         use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache  # HF's default
         maybe_packed = not use_cache and kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None
-        if unfilled and (maybe_packed or getattr(self.base_model, "gradient_checkpointing", False)):
+        checkpointing = getattr(self.base_model, "gradient_checkpointing", False)
+        if unfilled and (maybe_packed or checkpointing or not dynamic_cache):
             kwargs["use_cache"] = False
         elif unfilled:
             kwargs[cache_name] = unfilled_cache(config=self.config)
@@ -176,7 +177,10 @@ def patch_lm_loss(patches: Patches, model: nn.Module, calls: dict | None = None)
     why = _head_differs(model, calls, softcap, scale)
     if why is not None:
         return f"{UNFUSED}: the logits are not lm_head(hidden) with the config's scale and softcap: {why}"
-    patches.set_forward(model, causal_lm_forward, _unbound_forward(model), softcap, scale, _fused_keywords(type(model)))
+    # a model with a cache of its own (MiniMax's) takes no DynamicCache: its training forward gets none
+    dynamic_cache = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)()
+    patches.set_forward(model, causal_lm_forward, _unbound_forward(model), softcap, scale, _fused_keywords(type(model)),
+                        dynamic_cache)
     patches.set_forward(head, lm_head_forward)
     status = f"{FUSED}: lm_head + cross-entropy in linear_cross_entropy when labels are given in training"
     embed = model.get_input_embeddings()
