@@ -1,0 +1,256 @@
+"""Losses of per-token log-probabilities through the LM head, never materialising the batch's
+[tokens, V] logits: the engine under the post-training losses (``preference.py``, ``grpo.py``).
+
+Math (x = hidden, W = weight, b = bias, y = target, T = temperature; one token):
+
+    z = (x W^T + b) / T,   logp = z[y] - logsumexp(z)
+    a loss L of the logps:  dL/dz = g (onehot(y) - softmax(z)),  g = dL/dlogp
+
+Every loss built here is a sum of terms that each read one sequence, or one preference pair
+(chosen row i and rejected row i + B/2), divided by constants of the whole batch (pairs,
+tokens). So a chunk made of whole sequences (or pairs) knows its own g as soon as its logps
+exist, and a chunk's logits are used and dropped before the next chunk's are made:
+
+  1. with a reference model: its logits for the chunk's rows, their logps (no gradient);
+  2. the policy's logits (cuBLAS, into one reused [C, V] buffer), their logps and, for the
+     metrics, each row's logit sum: the cross-entropy kernel's per-row loss is -logp;
+  3. g: autograd of the chunk's share of the loss w.r.t. its logps (tensors of C values);
+  4. the cross-entropy kernel writes dL/dz = -g (softmax - onehot) over the logits (its
+     per-row scale is -g);
+  5. dx = dz W / T,  dW += dz^T (x / T),  db += sum of dz / T  (as linear_cross_entropy).
+
+So the policy costs three matmuls (6 tokens H V flops), a reference model one more, and the
+logits buffer a read in step 2 and a read + write in step 4. The gradients are computed in
+the forward; backward scales them by the upstream gradient. Chunk size: linear_cross_entropy's
+rule (``chunk_tokens``), rounded to whole sequences (pairs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from onepass.ops.cross_entropy import ce_rows, consume_forward_grad, count_targets, scaled_grad
+from onepass.ops.dispatch import (
+    check_dtype_option,
+    check_float,
+    check_linear,
+    check_same_device,
+    first_order_only,
+    is_int,
+    is_number,
+    use_triton,
+)
+from onepass.ops.gemm import accumulate_mm
+from onepass.ops.linear_cross_entropy import chunk_tokens
+
+# loss_of(rows, logps, ref_logps) -> the loss's share of these rows: rows a LongTensor of batch
+# rows, logps [len(rows), S] float32 (differentiable), ref_logps likewise or None
+LossOf = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+def check_inputs(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
+                 ref: tuple | None = None, name: str = "hidden", target_name: str = "target") -> None:
+    """hidden [B, S, H] and target [B, S] (int) with weight [V, H] and bias [V]; the reference
+    model's (ref_hidden, ref_weight, ref_bias) alike and of the same [B, S]."""
+    check_float(name, hidden)
+    check_float("weight", weight)
+    if hidden.dim() != 3:
+        raise ValueError(f"{name} must be [batch, seq, hidden], got shape {tuple(hidden.shape)}")
+    check_linear(name, hidden, "weight", weight, "bias", bias, out_name="vocab")
+    if not isinstance(target, Tensor) or target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{target_name} must be an int64 or int32 tensor of token ids")
+    if target.shape != hidden.shape[:2]:
+        raise ValueError(f"{target_name} must have shape {tuple(hidden.shape[:2])} ({name}'s batch and sequence), "
+                         f"got {tuple(target.shape)}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_same_device(**{name: hidden, "weight": weight, target_name: target, "bias": bias})
+    if ref is not None:
+        ref_hidden, ref_weight, ref_bias = ref
+        if ref_hidden is None or ref_weight is None:
+            raise ValueError("a reference model needs both ref_hidden and ref_weight")
+        check_float("ref_hidden", ref_hidden)
+        check_float("ref_weight", ref_weight)
+        check_linear("ref_hidden", ref_hidden, "ref_weight", ref_weight, "ref_bias", ref_bias, out_name="vocab")
+        if ref_hidden.shape[:2] != hidden.shape[:2] or ref_weight.shape[0] != weight.shape[0]:
+            raise ValueError(f"ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)} must "
+                             f"match {name}'s batch and sequence {tuple(hidden.shape[:2])} and the vocab "
+                             f"{weight.shape[0]}")
+        check_same_device(**{name: hidden, "ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias})
+
+
+def check_engine_options(temperature: float, chunk_size: int | None, accum_dtype: torch.dtype,
+                         weight: Tensor) -> None:
+    if not (is_number(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be None or an int >= 1 (tokens), got {chunk_size!r}")
+    check_dtype_option("accum_dtype", accum_dtype)
+    if accum_dtype not in (torch.float32, weight.dtype):
+        raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
+
+
+def _chunks(batch: int, paired: bool, seq: int, target_tokens: int, device) -> list[tuple[Tensor, slice | None]]:
+    """Each chunk's batch rows (a device LongTensor) and, where they are consecutive, their slice:
+    whole units (a sequence, or a pair: rows i and i + B/2), as many as fit ``target_tokens``."""
+    units, unit_rows = (batch // 2, 2) if paired else (batch, 1)
+    per_chunk = max(1, target_tokens // max(1, unit_rows * seq))
+    chunks = []
+    for i in range(0, units, per_chunk):
+        j = min(i + per_chunk, units)
+        if not paired:
+            chunks.append((torch.arange(i, j, device=device), slice(i, j)))
+        elif i == 0 and j == units:  # every pair: the whole batch in order
+            chunks.append((torch.arange(batch, device=device), slice(0, batch)))
+        else:
+            chunks.append((torch.cat([torch.arange(i, j), torch.arange(units + i, units + j)]).to(device), None))
+    return chunks
+
+
+def _gather(t: Tensor, rows: Tensor, span: slice | None) -> Tensor:
+    return t[span] if span is not None else t.index_select(0, rows)
+
+
+def _logps_rows(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, t: Tensor, temperature: float,
+                ignore_index: int, counts: Tensor, with_sums: bool):
+    """The chunk's logits into ``buf`` and their logps (0 where ignored) and logit row sums."""
+    n = h.shape[0]
+    z = buf[:n]
+    if bias is None:
+        torch.mm(h, weight.t(), out=z)
+    else:
+        torch.addmm(bias, h, weight.t(), beta=1 / temperature, out=z)
+    sums = z.sum(-1, dtype=torch.float32) * temperature if with_sums else None  # the untempered logits'
+    nll = torch.empty(n, dtype=torch.float32, device=h.device)
+    lse = torch.empty(n, dtype=torch.float32, device=h.device)
+    one = torch.ones((), dtype=torch.float32, device=h.device)
+    ce_rows(z, t, None, nll, lse, None, counts, one, ignore_index, "none", 0.0, 0.0, None, False)
+    return z, -nll, sums
+
+
+def _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ignore_index, accum_dtype, needs):
+    """The chunk loop (module docstring). Returns (loss, logps, ref_logps, logit_sums, dh, dw, db)."""
+    batch, seq, n_hidden = hidden.shape
+    n_vocab = weight.shape[0]
+    dev = hidden.device
+    need_dh, need_dw, need_db = needs
+    t_all = target.reshape(-1)
+    counts = count_targets(t_all, n_vocab, ignore_index)
+    logps = torch.zeros(batch, seq, dtype=torch.float32, device=dev)
+    ref_logps = torch.zeros(batch, seq, dtype=torch.float32, device=dev) if ref is not None else None
+    sums = torch.zeros(batch, dtype=torch.float32, device=dev)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    d_hidden = torch.zeros_like(hidden) if need_dh else None
+    d_weight = torch.empty((n_vocab, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
+    dw_started = False
+    d_bias = torch.zeros(n_vocab, dtype=torch.float32, device=dev) if need_db else None
+    most = max(len(r) for r, _ in chunks) * seq
+    buf = torch.empty((most, n_vocab), dtype=hidden.dtype, device=dev)
+    inv_t = 1.0 / temperature
+    for rows, span in chunks:
+        t = _gather(target, rows, span).reshape(-1)
+        ref_c = None
+        if ref is not None:
+            ref_hidden, ref_weight, ref_bias = ref
+            rh = _gather(ref_hidden, rows, span).reshape(-1, ref_hidden.shape[-1])
+            rh = rh * inv_t if temperature != 1 else rh
+            ref_c = _logps_rows(buf, rh, ref_weight, ref_bias, t, temperature, ignore_index, counts, False)[1]
+            ref_c = ref_c.view(len(rows), seq)
+            ref_logps.index_copy_(0, rows, ref_c)
+        h = _gather(hidden, rows, span).reshape(-1, n_hidden)
+        h = h * inv_t if temperature != 1 else h
+        z, lp, row_sums = _logps_rows(buf, h, weight, bias, t, temperature, ignore_index, counts, True)
+        lp = lp.view(len(rows), seq)
+        logps.index_copy_(0, rows, lp)
+        sums.index_copy_(0, rows, row_sums.view(len(rows), seq).sum(-1))
+        with torch.enable_grad():
+            leaf = lp.detach().requires_grad_()
+            share = loss_of(rows, leaf, ref_c)
+            (g,) = torch.autograd.grad(share, leaf, allow_unused=True) if share.requires_grad else (None,)
+        loss += share.detach()
+        if not (need_dh or need_dw or need_db) or g is None:
+            continue
+        scale = (-g).reshape(-1).float().contiguous()
+        ce_rows(z, t, z, torch.empty_like(scale), torch.empty_like(scale), None, counts, scale, ignore_index, "none",
+                0.0, 0.0, None, False)  # z becomes dL/dz of the tempered logits
+        if need_dh:
+            dh = torch.mm(z, weight)
+            dh = dh.mul_(inv_t) if temperature != 1 else dh
+            d_hidden.index_copy_(0, rows, dh.view(len(rows), seq, n_hidden))
+        if need_dw:
+            accumulate_mm(d_weight, z.t(), h, beta=int(dw_started))  # the first overwrites: no memset
+            dw_started = True
+        if need_db:
+            d_bias.add_(z.sum(0, dtype=torch.float32), alpha=inv_t)
+    buf = z = None  # the logits buffer is not held through the cast of the dW accumulator below
+    if need_dw and not dw_started:
+        d_weight.zero_()
+    d_weight = d_weight.to(weight.dtype) if need_dw else None
+    return loss, logps, ref_logps, sums, d_hidden, d_weight, d_bias.to(bias.dtype) if need_db else None
+
+
+class _SequenceLoss(torch.autograd.Function):
+    """Gradients computed in the forward (the engine); backward scales them by the upstream one."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, run):
+        loss, logps, ref_logps, sums, dh, dw, db = run()
+        ctx.mark_non_differentiable(logps, sums, *([ref_logps] if ref_logps is not None else []))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(dh, dw, db)
+        return loss, logps, ref_logps, sums
+
+    @staticmethod
+    def backward(ctx, dloss, *_):
+        if dloss is None:
+            return None, None, None, None
+        first_order_only("the post-training losses")
+        consume_forward_grad(ctx)
+        return (*(scaled_grad(g, dloss) if g is not None else None for g in ctx.saved_tensors), None)
+
+
+def _reference(hidden, weight, bias, target, ref, loss_of, temperature, ignore_index):
+    """The plain PyTorch definition: the whole batch's logits, float32 log-softmax, autograd."""
+    def logps_of(h, w, b):
+        z = F.linear(h, w, b).float() / temperature
+        ok = target != ignore_index
+        lp = z.log_softmax(-1).gather(-1, torch.where(ok, target, 0).long().unsqueeze(-1)).squeeze(-1)
+        return torch.where(ok, lp, 0.0), z.sum(-1).sum(-1) * temperature
+
+    if ref is not None:
+        with torch.no_grad():
+            ref_logps = logps_of(*ref)[0]
+    else:
+        ref_logps = None
+    logps, sums = logps_of(hidden, weight, bias)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return loss_of(rows, logps, ref_logps), logps.detach(), ref_logps, sums.detach()
+
+
+def sequence_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, loss_of: LossOf, *,
+                  paired: bool, ref: tuple | None = None, temperature: float = 1.0, ignore_index: int = -100,
+                  chunk_size: int | None = None, accum_dtype: torch.dtype = torch.float32):
+    """(loss, logps [B, S], ref_logps [B, S] or None, logit_sums [B]) for ``loss_of`` of the
+    per-token log-probs of ``target`` under ``hidden @ weight.T + bias`` (over ``temperature``);
+    logps are 0 at ignored tokens. ``paired``: row i and row i + B/2 are one unit (chosen and
+    rejected); else each row is. ``loss_of(rows, logps, ref_logps)`` gives the loss's share of
+    the batch rows ``rows`` (the whole batch's share summed over chunks is the loss); only
+    ``loss`` carries gradients (to hidden, weight and bias). The inputs are checked by the caller."""
+    if not use_triton(hidden):
+        return _reference(hidden, weight, bias, target, ref, loss_of, temperature, ignore_index)
+    batch, seq = target.shape
+    grad_on = torch.is_grad_enabled()
+    needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+             grad_on and bias is not None and bias.requires_grad)
+    target_tokens = chunk_tokens(batch * seq, accum_dtype if needs[1] else weight.dtype, chunk_size)
+    chunks = _chunks(batch, paired, seq, target_tokens, hidden.device)
+
+    def run():
+        return _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ignore_index, accum_dtype,
+                       needs)
+
+    return _SequenceLoss.apply(hidden, weight, bias, run)
