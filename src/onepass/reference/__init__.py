@@ -7,6 +7,7 @@ models write it: upcast to float32 (or keep float64), compute, cast back.
 
 from onepass.reference.activation import bias_gelu, geglu, gelu, swiglu
 from onepass.reference.attention import attention, decode_attention
+from onepass.reference.distillation import generalized_jsd, linear_jsd_loss
 from onepass.reference.linear import decode_gated_linear, decode_linear
 from onepass.reference.lora import lora_linear
 from onepass.reference.loss import cross_entropy, linear_cross_entropy, logsumexp_argmax
@@ -18,6 +19,7 @@ from onepass.reference.softmax import softmax
 
 __all__ = [
     "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention",
-    "decode_gated_linear", "decode_linear", "geglu", "gelu", "layer_norm", "linear_cross_entropy", "logsumexp_argmax",
+    "decode_gated_linear", "decode_linear", "geglu", "gelu", "generalized_jsd", "layer_norm", "linear_cross_entropy",
+    "linear_jsd_loss", "logsumexp_argmax",
     "lora_linear", "moe_experts", "rms_norm", "rope", "softmax", "swiglu",
 ]
