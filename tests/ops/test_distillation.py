@@ -92,6 +92,7 @@ def test_matches_definition_over_chunks(beta, temperature, device):
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 def test_soft_only_without_target(beta, device):
     h_s, w_s, h_t, w_t, _, _, _ = _inputs(7, 16, 8, 130, torch.float32, device)
+    h_t = torch.cat([h_t, h_t], dim=1)[:, ::2]  # non-contiguous
     _check((h_s.view(7, 1, 16), w_s, h_t.view(7, 1, 8), w_t, None, None, None), beta=beta, temperature=0.7,
            weight_hard_loss=0.9, weight_soft_loss=1.3, chunk_size=3)
 
@@ -262,3 +263,26 @@ def test_gpu_bf16_llama_head(beta):
     assert_close(loss, ref, torch.bfloat16, "loss")
     for name, x, r in zip(("hidden", "weight"), leaves, floats):
         assert_close(x.grad, r.grad, torch.bfloat16, f"d{name}")
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory():
+    """8192 tokens, hidden 2048, vocab 128256: neither head's full logits (2 GiB each in bf16) exist;
+    the peak above the inputs is the gradients, the two chunk buffers and the float32 dW accumulator."""
+    from onepass.ops.linear_cross_entropy import chunk_tokens
+
+    tokens, hidden, vocab = 8192, 2048, 128256
+    h_s, w_s, h_t, w_t, t, _, _ = _inputs(tokens, hidden, hidden, vocab, torch.bfloat16, "cuda")
+    h_s.requires_grad_(True)
+    w_s.requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = ops.linear_jsd_loss(h_s, w_s, h_t, w_t, t, beta=0.5)
+    dh, dw = torch.autograd.grad(loss, (h_s, w_s))
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = 2 * tokens * hidden + 2 * vocab * hidden  # dh, dw (bf16)
+    budget = grads + 2 * chunk_tokens(tokens, torch.float32) * vocab * 2 + 4 * vocab * hidden
+    budget = int(budget * 1.02) + 2**26  # per-token vectors, cuBLAS workspace
+    assert extra <= budget, f"{extra / 2**30:.3f} GiB above the inputs, budget {budget / 2**30:.3f} GiB"
+    assert torch.isfinite(loss) and dh.isfinite().all() and dw.isfinite().all()
