@@ -85,7 +85,8 @@ REVERSE_KL = tl.constexpr(1)
 MIXTURE = tl.constexpr(2)
 
 # Columns a program handles per step: two rows' blocks (and ~3 transcendental temporaries) are
-# live, so half cross_entropy's 8192 with 8 values a thread a row. Not yet swept on a GPU.
+# live, so half cross_entropy's 8192 with 8 values a thread a row (89 registers, no spills, sm_90).
+# Not yet swept on a GPU: benchmarks/tune_distillation.py sweeps them (results/<gpu>/tune_distillation.log).
 DISTILL_MAX_BLOCK = 4096
 DISTILL_VALUES_PER_THREAD = 8
 
