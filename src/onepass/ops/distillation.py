@@ -41,10 +41,10 @@ wherever p or q is, so no 0 * inf where one underflows.
 
 Byte budget per chunk (s, s' the student's and teacher's element sizes), forward + backward:
 unfused (F.linear twice, float32 upcasts, two log_softmax, the mixture's logsumexp, kl_div and
-their autograd) reads and writes [C, V] float32 tensors some 20 times; the fused minimum is
+their autograd) reads and writes a [C, V] float32 tensor at every one of those steps; the fused minimum is
 read both rows once and write the gradient, C V (2 s + s'); the kernel reads them 2 (beta = 0,
-hard only) or 3 times. The four GEMMs (2 C V (2 Hs + Ht) flops, plus the teacher's 2 C V Ht)
-dominate at LM-head sizes.
+hard only) or 3 times. The four GEMMs (6 C V Hs flops for the student's logits, dx and dW,
+2 C V Ht for the teacher's logits) dominate at LM-head sizes.
 
 Memory above the inputs and the gradients: the two [C, V] logits buffers, the float32 dW
 accumulator and its cast (see linear_cross_entropy.py); ``accum_dtype=weight.dtype`` drops the
