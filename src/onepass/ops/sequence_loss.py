@@ -12,11 +12,11 @@ tokens). So a chunk made of whole sequences (or pairs) knows its own g as soon a
 exist, and a chunk's logits are used and dropped before the next chunk's are made:
 
   1. with a reference model: its logits for the chunk's rows, their logps (no gradient);
-  2. the policy's logits (cuBLAS, into one reused [C, V] buffer), their logps and, for the
-     metrics, each row's logit sum: the cross-entropy kernel's per-row loss is -logp;
+  2. the policy's logits (cuBLAS, into one reused [C, V] buffer) and their logps: the
+     cross-entropy kernel's per-row loss is -logp, and it gives each row's logsumexp;
   3. g: autograd of the chunk's share of the loss w.r.t. its logps (tensors of C values);
-  4. the cross-entropy kernel writes dL/dz = -g (softmax - onehot) over the logits (its
-     per-row scale is -g);
+  4. ``_logit_grad_kernel`` writes dL/dz = g (onehot - exp(z - lse)) over the logits, and
+     each row's logit sum for the metrics, in one read and one write;
   5. dx = dz W / T,  dW += dz^T (x / T),  db += sum of dz / T  (as linear_cross_entropy).
 
 So the policy costs three matmuls (6 tokens H V flops), a reference model one more, and the
@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from onepass.ops.cross_entropy import ce_rows, consume_forward_grad, count_targets, scaled_grad
@@ -42,6 +44,8 @@ from onepass.ops.dispatch import (
     first_order_only,
     is_int,
     is_number,
+    launch,
+    row_settings,
     use_triton,
 )
 from onepass.ops.gemm import accumulate_mm
@@ -115,21 +119,52 @@ def _gather(t: Tensor, rows: Tensor, span: slice | None) -> Tensor:
     return t[span] if span is not None else t.index_select(0, rows)
 
 
+@triton.jit
+def _logit_grad_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, sums_ptr, row_stride, n_cols, ignore_index,
+                       WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row: its logit sum (float32) and, with WRITE_GRAD, z <- g (onehot(t) - exp(z - lse))."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * row_stride
+    t = tl.load(t_ptr + row)
+    scored = t != ignore_index  # an ignored row's lse is not written: its gradient is 0, not 0 x garbage
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(g_ptr + row)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < n_cols
+        z = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
+        total += z
+        if WRITE_GRAD:
+            d = tl.where(scored, g * (tl.where(cols == t, 1.0, 0.0) - tl.exp(z - lse)), 0.0)
+            tl.store(z_row + cols, d.to(z_ptr.dtype.element_ty), mask=ok)
+    tl.store(sums_ptr + row, tl.sum(total))
+
+
+def _logit_grad(z: Tensor, t: Tensor, lse: Tensor, g: Tensor | None, ignore_index: int) -> Tensor:
+    """Each row's logit sum; with ``g`` (dL/dlogp a row), the logits' gradient written over them."""
+    rows, n_cols = z.shape
+    sums = torch.empty(rows, dtype=torch.float32, device=z.device)
+    block, num_warps = row_settings(n_cols)
+    launch(_logit_grad_kernel, (rows,), z, t, lse, g if g is not None else lse, sums, z.stride(0), n_cols,
+           ignore_index, WRITE_GRAD=g is not None, BLOCK_N=block, num_warps=num_warps)
+    return sums
+
+
 def _logps_rows(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, t: Tensor, temperature: float,
-                ignore_index: int, counts: Tensor, with_sums: bool):
-    """The chunk's logits into ``buf`` and their logps (0 where ignored) and logit row sums."""
+                ignore_index: int, counts: Tensor):
+    """The chunk's logits into ``buf``, their logps (0 where ignored) and logsumexps."""
     n = h.shape[0]
     z = buf[:n]
     if bias is None:
         torch.mm(h, weight.t(), out=z)
     else:
         torch.addmm(bias, h, weight.t(), beta=1 / temperature, out=z)
-    sums = z.sum(-1, dtype=torch.float32) * temperature if with_sums else None  # the untempered logits'
     nll = torch.empty(n, dtype=torch.float32, device=h.device)
     lse = torch.empty(n, dtype=torch.float32, device=h.device)
     one = torch.ones((), dtype=torch.float32, device=h.device)
     ce_rows(z, t, None, nll, lse, None, counts, one, ignore_index, "none", 0.0, 0.0, None, False)
-    return z, -nll, sums
+    return z, -nll, lse
 
 
 def _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ignore_index, accum_dtype, needs):
@@ -158,25 +193,24 @@ def _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ign
             ref_hidden, ref_weight, ref_bias = ref
             rh = _gather(ref_hidden, rows, span).reshape(-1, ref_hidden.shape[-1])
             rh = rh * inv_t if temperature != 1 else rh
-            ref_c = _logps_rows(buf, rh, ref_weight, ref_bias, t, temperature, ignore_index, counts, False)[1]
+            ref_c = _logps_rows(buf, rh, ref_weight, ref_bias, t, temperature, ignore_index, counts)[1]
             ref_c = ref_c.view(len(rows), seq)
             ref_logps.index_copy_(0, rows, ref_c)
         h = _gather(hidden, rows, span).reshape(-1, n_hidden)
         h = h * inv_t if temperature != 1 else h
-        z, lp, row_sums = _logps_rows(buf, h, weight, bias, t, temperature, ignore_index, counts, True)
+        z, lp, lse = _logps_rows(buf, h, weight, bias, t, temperature, ignore_index, counts)
         lp = lp.view(len(rows), seq)
         logps.index_copy_(0, rows, lp)
-        sums.index_copy_(0, rows, row_sums.view(len(rows), seq).sum(-1))
         with torch.enable_grad():
             leaf = lp.detach().requires_grad_()
             share = loss_of(rows, leaf, ref_c)
             (g,) = torch.autograd.grad(share, leaf, allow_unused=True) if share.requires_grad else (None,)
         loss += share.detach()
-        if not (need_dh or need_dw or need_db) or g is None:
+        grads = (need_dh or need_dw or need_db) and g is not None
+        row_sums = _logit_grad(z, t, lse, g.reshape(-1).float().contiguous() if grads else None, ignore_index)
+        sums.index_copy_(0, rows, row_sums.view(len(rows), seq).sum(-1) * temperature)  # the untempered logits'
+        if not grads:
             continue
-        scale = (-g).reshape(-1).float().contiguous()
-        ce_rows(z, t, z, torch.empty_like(scale), torch.empty_like(scale), None, counts, scale, ignore_index, "none",
-                0.0, 0.0, None, False)  # z becomes dL/dz of the tempered logits
         if need_dh:
             dh = torch.mm(z, weight)
             dh = dh.mul_(inv_t) if temperature != 1 else dh
