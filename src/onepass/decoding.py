@@ -12,7 +12,12 @@ approaches the time of reading the weights once (see ``onepass bench generate``)
 How:
 - The KV cache is transformers' ``StaticCache``: fixed addresses, and the filled length
   kept in a device tensor, so one captured step serves every position. The Decoder
-  allocates it once; each call resets it.
+  allocates it once; each call resets it. Its sliding-window layers (Gemma 2/3, Mistral with
+  ``sliding_window``) are full-length layers too, indexed by position: transformers' own
+  keep the last window of keys and decide where a token goes on a host integer, which a
+  graph would replay frozen at its capture. Marked sliding, they get transformers' sliding
+  masks, over all ``max_len`` positions; onepass attention applies the window itself. The
+  cost is memory: such a layer holds ``max_len`` keys and values, not the window's.
 - The prompt runs as one forward (prefill), outside the graph.
 - A decode step (the model on the last token, then the next token picked, the finished
   flags and the positions advanced) reads and writes only the Decoder's own buffers, so
@@ -29,10 +34,10 @@ How:
 
 It takes any transformers (v5) causal LM, optimized by onepass or not; greedy decoding
 gives the tokens of ``model.generate(do_sample=False)``. The graph needs a step whose work
-is decided on the GPU: cache layers with a sliding window (Gemma 2/3, Mistral with
-``sliding_window``) decide on host integers, so those models decode eagerly (same tokens,
-no graph; ``Decoder.graph_off`` says why). The model's mode is the caller's: call
-``model.eval()`` first, as for ``generate`` (dropout would run otherwise).
+is decided on the GPU: a model with chunked-attention layers (Llama 4), whose cache layers
+still decide on host integers, decodes eagerly (same tokens, no graph; ``Decoder.graph_off``
+says why). The model's mode is the caller's: call ``model.eval()`` first, as for
+``generate`` (dropout would run otherwise).
 """
 
 from __future__ import annotations
@@ -117,8 +122,10 @@ class Decoder:
         pad = pad if pad is not None else (eos[0] if eos else 0)
         self.eos_token_ids, self.pad_token_id = eos, int(pad)
         self._start_over()
-        sliding = any(getattr(self.cache, "is_sliding", ()))
-        self.graph_off = self._why_no_graph(device, cuda_graph, sliding)
+        from transformers.cache_utils import StaticSlidingWindowLayer
+
+        host_decided = any(isinstance(layer, StaticSlidingWindowLayer) for layer in self.cache.layers)
+        self.graph_off = self._why_no_graph(device, cuda_graph, host_decided)
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -131,17 +138,17 @@ class Decoder:
         self._finished = zeros(batch_size, dtype=torch.bool)
         self._live_steps = zeros(1)  # tokens emitted while some row was unfinished
         # each row's valid cache length in a decode step, for onepass attention (cache.DECODE_LENGTHS);
-        # not with sliding-window layers (their cache is not indexed by position)
-        self._lengths = None if sliding else zeros(batch_size, dtype=torch.int32)
+        # not where a layer keeps chunks (its cache is not indexed by position, its mask is not a window)
+        self._lengths = None if host_decided else zeros(batch_size, dtype=torch.int32)
         self._eos = torch.tensor(eos, dtype=torch.long, device=device)
         self._pad = torch.tensor(self.pad_token_id, dtype=torch.long, device=device)
 
     @staticmethod
-    def _why_no_graph(device: torch.device, cuda_graph: bool | None, sliding: bool) -> str | None:
+    def _why_no_graph(device: torch.device, cuda_graph: bool | None, host_decided: bool) -> str | None:
         if cuda_graph is False or (cuda_graph is None and device.type != "cuda"):
             return "cuda_graph is off" if cuda_graph is False else f"the model is on {device}, not a GPU"
-        if sliding:
-            reason = ("the cache has sliding-window layers, whose update branches on a host integer: "
+        if host_decided:
+            reason = ("the cache has chunked-attention layers, whose update branches on a host integer: "
                       "a graph would replay the branch of its capture")
             if cuda_graph:
                 raise ValueError(f"cuda_graph=True cannot hold this model's decode step: {reason}")
@@ -236,8 +243,18 @@ class Decoder:
     def _start_over(self) -> None:
         """A new cache and no captured step, made for the model's tensors as they are now."""
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        # the layer kinds StaticCache was built from (transformers 5.17 and 5.24 alike: [0] is the list)
+        kinds = get_layer_types_and_kwargs(self.model.config.get_text_config(decoder=True))[0]
+        for i, (kind, layer) in enumerate(zip(kinds, self.cache.layers)):
+            if kind == "sliding_attention" and type(layer) is StaticSlidingWindowLayer:
+                full = StaticLayer(max_cache_len=self.max_len)
+                # an attribute, not a subclass: masks see a sliding layer (the window over
+                # absolute positions, kv offset 0), onepass's fused cache append a StaticLayer
+                full.is_sliding = True
+                self.cache.layers[i] = full
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # padded prompts or not -> the captured step
         self._weights = self._weights_key()  # what the cache and the captured steps were made for
 

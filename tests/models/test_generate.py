@@ -19,6 +19,13 @@ from onepass.testing import assert_close
 pytest.importorskip("transformers")
 
 PAD = 1  # never drawn in prompts below: HF reads a pad id inside a prompt as padding when no mask is given
+FAMILIES = sorted({**tiny.CONFIGS, **tiny.MORE_CONFIGS})
+# window 5 (on some layers: gemma2, qwen2), under prompts of 7 and 4 to 12 new tokens
+SLIDING = ["gemma2", "gemma3_text", "mistral", "qwen2"]
+# HF's two likeliest tokens closer than this (fp32 logits of order 0.1 to 1, both sides' rounding
+# about 1e-6): a rounding may pick either. Scaling the logits (the LM head) would not widen the
+# gap relative to that rounding, which scales with them.
+NEAR_TIE = 1e-4
 
 
 def _prompts(batch=2, seq=7, seed=3, device="cpu"):
@@ -30,11 +37,52 @@ def _hf(model, ids, new, **kw):
     return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD, **kw)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mistral"])
+def _assert_hf_greedy(ours, model, ids, new, near_tie=NEAR_TIE, **kw):
+    """``ours`` is HF's greedy continuation of ``ids``, in each row up to the first step where
+    HF's two likeliest tokens are a near-tie (there either may be picked; the rest of the row
+    follows from it). Most tokens must be compared, or the test would say nothing."""
+    out = _hf(model, ids, new, output_logits=True, return_dict_in_generate=True, **kw)
+    top2 = torch.stack(out.logits, 1).float().topk(2, -1).values
+    margins = top2[..., 0] - top2[..., 1]  # [batch, steps]
+    prompt, compared = ids.shape[1], 0
+    for row in range(ids.shape[0]):
+        ties = (margins[row] < near_tie).nonzero()
+        end = prompt + (int(ties[0]) if len(ties) else margins.shape[1])
+        assert torch.equal(ours[row, :end], out.sequences[row, :end]), f"row {row}"
+        compared += end - prompt
+        if not len(ties):
+            assert ours.shape[1] == out.sequences.shape[1]
+    assert compared >= ids.shape[0] * margins.shape[1] // 2, f"{compared} tokens compared"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf(family):
     model = tiny.build(family).eval()
     ids = _prompts()
-    assert torch.equal(onepass.generate(model, ids, 12, pad_token_id=PAD), _hf(model, ids, 12))
+    _assert_hf_greedy(onepass.generate(model, ids, 12, pad_token_id=PAD), model, ids, 12)
+
+
+def test_sliding_window_layers_are_full_length_and_sliding():
+    """Every layer of the cache is a full-length static layer, indexed by position (graph-safe);
+    the sliding ones stay marked sliding, so transformers builds them its sliding-window masks;
+    and the decode steps hand onepass attention the lengths."""
+    from transformers.cache_utils import StaticLayer
+
+    model = tiny.build("gemma2").eval()
+    decoder = Decoder(model, batch_size=2, max_len=20)
+    assert [type(layer) for layer in decoder.cache.layers] == [StaticLayer, StaticLayer]
+    assert decoder.cache.is_sliding == [t == "sliding_attention" for t in model.config.layer_types] == [True, False]
+    assert decoder._lengths is not None and "not a GPU" in decoder.graph_off
+    decoder.generate(_prompts(), 10)
+    assert all(layer.keys.shape[2] == 20 for layer in decoder.cache.layers)
+
+
+def test_chunked_attention_layers_refuse_the_graph():
+    """A layer whose cache update branches on a host integer (chunked attention) cannot be captured."""
+    with pytest.raises(ValueError, match="chunked-attention"):
+        Decoder._why_no_graph(torch.device("cuda"), True, True)
+    assert "chunked-attention" in Decoder._why_no_graph(torch.device("cuda"), None, True)
+    assert Decoder._why_no_graph(torch.device("cuda"), None, False) is None
 
 
 def test_decoder_follows_replaced_weights_and_dtype():
@@ -51,16 +99,44 @@ def test_decoder_follows_replaced_weights_and_dtype():
     assert torch.equal(decoder.generate(ids, 6), _hf(model, ids, 6))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_left_padded_prompts_match_hf(family):
-    model = tiny.build(family).eval()
-    ids = _prompts(batch=3)
+def _left_padded(batch=3):
+    ids = _prompts(batch=batch)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    mask[2, :1] = 0
-    ids = ids.masked_fill(mask == 0, PAD)
+    mask[-1, :1] = 0
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", *SLIDING])
+def test_left_padded_prompts_match_hf(family):
+    model = tiny.build(family).eval()
+    ids, mask = _left_padded()
     ours = onepass.generate(model, ids, 10, attention_mask=mask, pad_token_id=PAD)
-    assert torch.equal(ours, _hf(model, ids, 10, attention_mask=mask))
+    _assert_hf_greedy(ours, model, ids, 10, attention_mask=mask)
+
+
+# left-padded prompts (decode steps through the mask, every kernel launch interpreted: slow) on one
+# family, with both kinds of layer and softcap
+@pytest.mark.parametrize("family, padded", [*((f, False) for f in SLIDING), ("gemma2", True)])
+def test_optimized_sliding_window_model_matches_hf(family, padded, device, monkeypatch):
+    """Kernels through the interpreter on the CPU: the optimized model gives HF's greedy tokens
+    of the unoptimized model past the window (prompt 7 + 4 new tokens, window 5); unpadded, its
+    decode steps run decode_attention with each layer's window over the full-length cache."""
+    ref = tiny.build(family).to(device).eval()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    windows = []
+    decode_attention = onepass.ops.decode_attention
+    monkeypatch.setattr(onepass.ops, "decode_attention",
+                        lambda *a, window=None, **k: windows.append(window) or decode_attention(*a, window=window, **k))
+    ids, mask = _left_padded(batch=2) if padded else (_prompts(), None)
+    ids, mask = ids.to(device), mask if mask is None else mask.to(device)
+    ours = onepass.generate(model, ids, 4, attention_mask=mask, pad_token_id=PAD, cuda_graph=False)
+    _assert_hf_greedy(ours, ref, ids, 4, attention_mask=mask)
+    kinds = getattr(ref.config, "layer_types", None) or ["sliding_attention"] * ref.config.num_hidden_layers
+    assert windows == ([] if padded else [5 if kind == "sliding_attention" else None for kind in kinds] * 3)
 
 
 def test_end_of_sequence_matches_hf():
@@ -264,13 +340,17 @@ def _bf16_model(family: str):
         "llama": lambda: tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
                                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4),
         "gpt2": lambda: tf.GPT2Config(vocab_size=32000, n_embd=1024, n_layer=4, n_head=16),
+        # sliding and full layers, softcaps; prompts of 64 and 100 new tokens pass the window
+        "gemma2": lambda: tf.Gemma2Config(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                          head_dim=64, sliding_window=32),
     }
     torch.manual_seed(0)
     return tf.AutoModelForCausalLM.from_config(configs[family]()).cuda().bfloat16().eval()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
 @pytest.mark.parametrize("optimized", [False, True])
 def test_graph_replay_matches_eager(family, optimized):
     """bf16: the captured step gives the eager loop's tokens, over several calls of one
@@ -314,15 +394,22 @@ def test_graph_replay_draws_fresh_noise():
 
 
 @pytest.mark.gpu
-def test_sliding_window_cache_decodes_eagerly():
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_config(tf.Gemma2Config(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=16)).cuda().bfloat16().eval()
-    decoder = Decoder(model, batch_size=1, max_len=64)
-    assert "sliding-window" in decoder.graph_off
-    with pytest.raises(ValueError, match="sliding-window"):
-        Decoder(model, batch_size=1, max_len=64, cuda_graph=True)
-    ids = torch.randint(2, 32000, (1, 8), device="cuda")
-    assert decoder.generate(ids, 40).shape[1] <= 48
+@pytest.mark.parametrize("family", SLIDING)
+@pytest.mark.parametrize("optimized", [False, True])
+def test_sliding_window_model_replays_the_graph(family, optimized):
+    """fp32: the decode step of a sliding-window model is captured and replayed over several
+    calls (prompts padded or not), past its window of 5 many times over (7 + 40 tokens), and
+    gives HF's greedy tokens of the unoptimized model (near-ties wider: cuBLAS may sum otherwise)."""
+    ref = tiny.build(family).cuda().eval()
+    model = copy.deepcopy(ref)
+    if optimized:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            onepass.optimize(model)
+    decoder = Decoder(model, batch_size=2, max_len=64, pad_token_id=PAD, cuda_graph=True)
+    assert decoder.graph_off is None
+    ids, (padded, mask) = _prompts(device="cuda"), (t.cuda() for t in _left_padded(batch=2))
+    for prompts, attention_mask in ((ids, None), (padded, mask), (ids, None)):
+        ours = decoder.generate(prompts, 40, attention_mask=attention_mask)
+        _assert_hf_greedy(ours, ref, prompts, 40, near_tie=1e-3, attention_mask=attention_mask)
+    assert set(decoder._graphs) == {False, True}

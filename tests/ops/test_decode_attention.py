@@ -64,6 +64,50 @@ def test_empty_sequence_and_length_past_the_cache(num_splits, device):
     assert torch.equal(reference.decode_attention(q, k, v, negative)[0], torch.zeros_like(out[0]))
 
 
+def _windowed_reference(q, k, v, lens, window, layout="bhsd", **kw):
+    """Ground truth of a windowed decode: causal attention with the window over each sequence's
+    valid cache, its new tokens last (reference.attention's bottom-right alignment)."""
+    seq = 1 if layout == "bshd" else 2
+    return torch.cat([reference.attention(q[b:b + 1].double(), k[b:b + 1].narrow(seq, 0, n).double(),
+                                          v[b:b + 1].narrow(seq, 0, n).double(), causal=True, window=window,
+                                          layout=layout, **kw)
+                      for b, n in enumerate(lens)], 0)
+
+
+# Lengths below, at and far past the window; num_splits 7 leaves some splits of the visible
+# range empty, and None takes the default split of the visible range.
+@pytest.mark.parametrize("window", [1, 6, 23, 200])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 7])
+def test_sliding_window(window, num_splits, device):
+    q, k, v = _inputs(4, 8, 2, 1, 70, 32, torch.float32, device)
+    lens = [70, 1, 17, 6]
+    out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32, device=device), window=window,
+                               num_splits=num_splits)
+    assert_close(out, _windowed_reference(q, k, v, lens, window), torch.float32)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_sliding_window_several_tokens_bshd_softcap(n_tokens, device):
+    """Each new token has its own window (the first sees keys the last does not); softcap and a
+    scale; the window ends inside a key tile and spans tiles."""
+    q, k, v = _inputs(3, 4, 2, n_tokens, 64, 16, torch.float32, device, layout="bshd")
+    lens, kw = [64, 40, 2], {"softcap": 3.0, "scale": 0.4}
+    out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32, device=device), layout="bshd",
+                               window=19, num_splits=2, **kw)
+    assert_close(out, _windowed_reference(q, k, v, lens, 19, layout="bshd", **kw), torch.float32)
+
+
+def test_sliding_window_reference_path():
+    """Without the kernels (reference mode), the window is applied the same way."""
+    from onepass.ops.dispatch import reference_mode
+
+    q, k, v = _inputs(2, 4, 2, 2, 30, 16, torch.float32, "cpu")
+    lens = [30, 9]
+    with reference_mode():
+        out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32), window=5, softcap=2.0)
+    assert_close(out, _windowed_reference(q, k, v, lens, 5, softcap=2.0), torch.float32)
+
+
 def test_matches_attention_on_the_cache(device):
     """One sequence, full cache: decode equals causal attention of the last Tq queries."""
     q, k, v = _inputs(1, 4, 2, 2, 37, 16, torch.float32, device)
@@ -93,7 +137,8 @@ def test_torch_compile_fullgraph_and_opcheck(device):
     fn = torch.compile(lambda q, k, v: ops.decode_attention(q, k, v, seqlens, num_splits=2) * 2, fullgraph=True,
                        backend="aot_eager" if device == "cpu" else "inductor")
     assert_close(fn(q, k, v), 2 * ops.decode_attention(q, k, v, seqlens, num_splits=2), torch.float32)
-    torch.library.opcheck(_decode_attention, (q, k, v, seqlens, 0.25, 0.0, "bhsd", 2))
+    torch.library.opcheck(_decode_attention, (q, k, v, seqlens, 0.25, 0.0, "bhsd", 2, 0))
+    torch.library.opcheck(_decode_attention, (q, k, v, seqlens, 0.25, 0.0, "bhsd", 2, 5))
 
 
 @pytest.mark.parametrize("call, error, words", [
@@ -114,6 +159,10 @@ def test_torch_compile_fullgraph_and_opcheck(device):
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s, num_splits=0), ValueError, "num_splits"),
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s, num_splits=2.5), ValueError, "num_splits"),
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s, scale=float("nan")), ValueError, "scale"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, window=0), ValueError, "window must be an int >= 1"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, window=4.0), ValueError, "window"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, window=(4, 0)), ValueError, "window"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, window=True), ValueError, "window"),
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s, softcap=float("inf")), ValueError, "softcap"),
     (lambda q, k, v, s: ops.decode_attention(q.requires_grad_(), k, v, s), ValueError, "no autograd"),
 ])
@@ -147,3 +196,14 @@ def test_gpu_bf16_real_sizes(batch, cache_len, n_tokens):
 def test_gpu_bf16_head_dims(head_dim):
     q, k, v = _inputs(4, 16, 4, 1, 5000, head_dim, torch.bfloat16, "cuda", layout="bshd")
     _check(q, k, v, [5000, 1, 4097, 300], torch.bfloat16, layout="bshd")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_sliding_window_long_cache():
+    """Gemma-2-like: a 4096 window in a 32k cache, lengths below and far past it; the default
+    split covers the window only."""
+    q, k, v = _inputs(4, 16, 8, 1, 32768, 128, torch.bfloat16, "cuda")
+    lens = [32768, 4000, 4097, 20000]
+    out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cuda"), window=4096,
+                               softcap=50.0)
+    assert_close(out, _windowed_reference(q, k, v, lens, 4096, softcap=50.0), torch.bfloat16)

@@ -31,19 +31,21 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
     The onepass kernel covers training and prefill (no explicit mask: causal, sliding window
     and softcap are built in). A decode step of ``onepass.Decoder`` (``cache_seqlens``: key
-    and value are the whole static cache, each row valid up to its length) runs
-    ``decode_attention``. A padding mask, attention dropout or another decode step (fewer
-    queries than keys) goes to PyTorch's SDPA, or to the eager path when softcap is set, with
-    the causal and sliding-window mask spelled out where HF handed none. ``output_attentions``
-    takes the eager path too: the only one that returns the attention weights (HF's SDPA
-    returns none, with a warning; the fused kernels never form them).
+    and value are the whole static cache, indexed by position, each row valid up to its
+    length) runs ``decode_attention``, with the layer's sliding window. A padding mask,
+    attention dropout or another decode step (fewer queries than keys) goes to PyTorch's
+    SDPA, or to the eager path when softcap is set, with the causal and sliding-window mask
+    spelled out where HF handed none. ``output_attentions`` takes the eager path too: the
+    only one that returns the attention weights (HF's SDPA returns none, with a warning; the
+    fused kernels never form them).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     weights = kwargs.get("output_attentions", False)
     fused = dropout == 0.0 and not weights
-    if cache_seqlens is not None and sliding_window is None and fused:
-        out = ops.decode_attention(query, key, value, cache_seqlens, scale=scaling, softcap=softcap)
+    if cache_seqlens is not None and fused:
+        out = ops.decode_attention(query, key, value, cache_seqlens, scale=scaling, softcap=softcap,
+                                   window=sliding_window)
         return out.transpose(1, 2), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and fused and query.shape[2] == key.shape[2]:

@@ -5,7 +5,11 @@ Math, per (batch b, q head h, new token t) with L = cache_seqlens[b] and Tq new 
 
     o = softmax_j(scale * q . k_j  [softcapped])  v_j   over keys j <= L - Tq + t
 
-Split: the cache positions [0, L) are cut into ``splits`` chunks; program (split, b, kv
+and, with a sliding window W, only keys j > L - Tq + t - W (``ops.attention``'s ``window``:
+the query and the W - 1 keys before it).
+
+Split: the visible cache positions [lo, L) (lo = max(0, L - Tq - W + 1) with a window, else
+0) are cut into ``splits`` chunks; program (split, b, kv
 head) runs the online softmax of ``onepass.ops.attention`` over its chunk for ALL q heads
 of the kv group and all Tq tokens at once (group * Tq rows, padded to 16, are the M side
 of tl.dot), so each K/V byte is read once per kv head, not once per q head. It writes a
@@ -16,14 +20,16 @@ partial output and LSE per row and split (fp32); a second kernel merges the spli
 With one split the program writes o itself and there is no second launch
 (benchmarks/results/h200/decode_attention_splits.log).
 
-Byte budget (B batch, Hk kv heads, L valid positions, head dim D, element size e):
+Byte budget (B batch, Hk kv heads, L valid positions (within a window: at most W + Tq - 1),
+head dim D, element size e):
 
     unfused PyTorch (SDPA on the cache, repeated kv)   fused minimum
     reads K and V of L_max (padding too), plus the      read K and V once: 2*B*Hk*L*D*e
     repeat_kv copies: 2*B*H*L_max*D*e and more          (+ the tiny q, o and partials)
 
 The number of splits makes B * Hk * splits about twice the SM count, so batch 1 fills
-the GPU; each split keeps at least MIN_SPLIT_TOKENS positions.
+the GPU; each split keeps at least MIN_SPLIT_TOKENS positions of the visible range (with a
+window W: at most W + Tq - 1 positions, however long the cache).
 """
 
 from __future__ import annotations
@@ -73,8 +79,8 @@ MERGE_WARPS = 4
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr, o_ptr,
     q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
-    o_stride_b, o_stride_h, o_stride_t, n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap,
-    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    o_stride_b, o_stride_h, o_stride_t, n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap, window,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid = tl.program_id(0)  # a 1-D grid, splits fastest: batch * kv heads is not bound by grid axis 1's 65535
@@ -93,17 +99,21 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b64 * q_stride_b + h64[:, None] * q_stride_h + t[:, None] * q_stride_t + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    chunk = tl.cdiv(tl.cdiv(seqlen, n_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    start = 0
+    if WINDOW:  # the first token's window starts there: the splits share only the visible keys
+        start = tl.maximum(seqlen - n_tokens - window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(seqlen - start, n_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # token t sits at position seqlen - Tq + t: attention's bottom-right causal mask with S_q = Tq
+    # token t sits at position seqlen - Tq + t: attention's bottom-right causal mask with S_q = Tq,
+    # bounded before by the window
     acc, l_i, m_i = online_softmax_tiles(
         acc, l_i, m_i, q, k_ptr + b64 * k_stride_b + hk64 * k_stride_h, v_ptr + b64 * v_stride_b + hk64 * v_stride_h,
         k_stride_s, v_stride_s, lo, hi, t, row_offsets(BLOCK_N, LONG), offs_d, n_tokens, seqlen, seqlen - n_tokens,
-        0, 0, scale, softcap, True, False, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        window - 1, 0, scale, softcap, True, WINDOW, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
     o, lse = softmax_finish(acc, l_i, m_i)
     if DIRECT:  # one split: o is the output
         tl.store(o_ptr + b64 * o_stride_b + h64[:, None] * o_stride_h + t[:, None] * o_stride_t + offs_d[None, :],
@@ -153,7 +163,7 @@ def _bhsd(t: Tensor, layout: str) -> Tensor:
     return unit_stride(t.transpose(1, 2) if layout == "bshd" else t)
 
 
-def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
+def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     qv, kv, vv, ov = (_bhsd(t, layout) for t in (q, k_cache, v_cache, out))
     batch, heads, n_tokens, head_dim = qv.shape
@@ -161,7 +171,8 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     if q.numel() == 0:
         return out
     group = heads // kv_heads
-    splits = num_splits or default_num_splits(q.device, batch, kv_heads, cache_len)
+    visible = min(cache_len, window + n_tokens - 1) if window else cache_len  # keys one sequence's tokens see
+    splits = num_splits or default_num_splits(q.device, batch, kv_heads, visible)
     if interpreting():
         block_n, num_warps, num_stages = INTERPRETER_CONFIG
     elif q.dtype == torch.float32:
@@ -176,8 +187,9 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     launch(_decode_split_kernel, (splits * batch * kv_heads,),
         qv, kv, vv, cache_seqlens, o_part, lse_part, ov,
         *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3], *ov.stride()[:3],
-        kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0,
-        SOFTCAP=bool(softcap), HEAD_DIM=head_dim, BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
+        kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0, window or 1,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), HEAD_DIM=head_dim,
+        BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
         BLOCK_N=block_n, BLOCK_D=block_d, LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
         PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, DIRECT=direct,
     )
@@ -192,19 +204,19 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
 
 @torch.library.custom_op("onepass::decode_attention", mutates_args=())
 def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float,
-                      softcap: float, layout: str, num_splits: int) -> Tensor:
-    return _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits)
+                      softcap: float, layout: str, num_splits: int, window: int) -> Tensor:
+    return _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
 
 
 @_decode_attention.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
+def _(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------- public function
 
 
-def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits):
+def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window):
     # types first: the checks below read every tensor's device and shape
     if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32:
         got = cache_seqlens.dtype if isinstance(cache_seqlens, Tensor) else type(cache_seqlens).__name__
@@ -242,6 +254,9 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_split
     check_softcap(softcap)
     if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= 1024):
         raise ValueError(f"num_splits must be an int from 1 to 1024, got {num_splits!r}")
+    if window is not None and not (is_int(window) and 1 <= window < 2**31):
+        raise ValueError(f"window must be an int >= 1 (the query and the window - 1 keys before it) or None, "
+                         f"got {window!r}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise ValueError("decode_attention is inference only (no autograd): call it under torch.no_grad() or on "
                          "tensors that do not require grad; use attention() for training")
@@ -249,18 +264,35 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_split
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                      scale: float | None = None, softcap: float | None = None, layout: str = "bhsd", *,
-                     num_splits: int | None = None) -> Tensor:
+                     window: int | None = None, num_splits: int | None = None) -> Tensor:
     """Attention of a few new tokens per sequence over a KV cache (inference, no autograd).
 
     q: [B, H, Tq, D]; k_cache, v_cache: [B, Hk, L_max, D] (``layout="bshd"``: [B, Tq, H, D]
     and [B, L_max, Hk, D]); H a multiple of Hk. ``cache_seqlens`` (int32 [B]) is the valid
     length of each sequence, the new tokens included: they are its last Tq positions,
-    causal among themselves (lengths are clamped to [0, L_max]; 0: no key, zeros). ``num_splits``
-    overrides the split of the cache length (default: enough to fill the GPU twice).
+    causal among themselves (lengths are clamped to [0, L_max]; 0: no key, zeros). ``window``
+    (``attention``'s int window, Mistral / Gemma's ``sliding_window``): the token at position
+    p sees keys p - window + 1 .. p only. ``num_splits`` overrides the split of the visible
+    keys (default: enough to fill the GPU twice).
     """
-    _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits)
+    _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_triton(q):
-        return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout)
+        return _reference(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, window)
     return route(_decode_attention, _decode_launch, q)(q, k_cache, v_cache, cache_seqlens, scale,
-                                                       float(softcap or 0.0), layout, int(num_splits or 0))
+                                                       float(softcap or 0.0), layout, int(num_splits or 0),
+                                                       int(window or 0))
+
+
+def _reference(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, window):
+    """``reference.decode_attention``, which has no window; with one, ``reference.attention`` on
+    each sequence's valid cache (its bottom-right alignment puts the new tokens last)."""
+    if window is None:
+        return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout)
+    seq = 1 if layout == "bshd" else 2
+    outs = []
+    for b, n in enumerate(cache_seqlens.clamp(0, k_cache.shape[seq]).tolist()):
+        k, v = (t[b:b + 1].narrow(seq, 0, n) for t in (k_cache, v_cache))
+        outs.append(reference.attention(q[b:b + 1], k, v, causal=True, scale=scale, window=window, softcap=softcap,
+                                        layout=layout))
+    return torch.cat(outs, 0)
