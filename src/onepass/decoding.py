@@ -34,10 +34,10 @@ How:
 
 It takes any transformers (v5) causal LM, optimized by onepass or not; greedy decoding
 gives the tokens of ``model.generate(do_sample=False)``. The graph needs a step whose work
-is decided on the GPU: a model with chunked-attention layers (Llama 4), whose cache layers
-still decide on host integers, decodes eagerly (same tokens, no graph; ``Decoder.graph_off``
-says why). The model's mode is the caller's: call ``model.eval()`` first, as for
-``generate`` (dropout would run otherwise).
+is decided on the GPU: a model whose cache layers still keep a window of keys (chunked
+attention: Llama 4; linear-attention hybrids) decides on host integers and decodes eagerly
+(same tokens, no graph; ``Decoder.graph_off`` says why). The model's mode is the caller's:
+call ``model.eval()`` first, as for ``generate`` (dropout would run otherwise).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class Decoder:
         self._finished = zeros(batch_size, dtype=torch.bool)
         self._live_steps = zeros(1)  # tokens emitted while some row was unfinished
         # each row's valid cache length in a decode step, for onepass attention (cache.DECODE_LENGTHS);
-        # not where a layer keeps chunks (its cache is not indexed by position, its mask is not a window)
+        # not where a layer keeps a window of keys (its cache is not indexed by position)
         self._lengths = None if host_decided else zeros(batch_size, dtype=torch.int32)
         self._eos = torch.tensor(eos, dtype=torch.long, device=device)
         self._pad = torch.tensor(self.pad_token_id, dtype=torch.long, device=device)
@@ -148,8 +148,9 @@ class Decoder:
         if cuda_graph is False or (cuda_graph is None and device.type != "cuda"):
             return "cuda_graph is off" if cuda_graph is False else f"the model is on {device}, not a GPU"
         if host_decided:
-            reason = ("the cache has chunked-attention layers, whose update branches on a host integer: "
-                      "a graph would replay the branch of its capture")
+            reason = ("the cache has layers that keep a window of keys (chunked attention, linear-attention "
+                      "hybrids), whose update branches on a host integer: a graph would replay the branch "
+                      "of its capture")
             if cuda_graph:
                 raise ValueError(f"cuda_graph=True cannot hold this model's decode step: {reason}")
             return reason
