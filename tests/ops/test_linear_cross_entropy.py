@@ -28,7 +28,7 @@ def _check(h, w, b, t, dtype, scale=1.0, **options):
     loss = ops.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], **options)
     dloss = torch.randn_like(loss)
     loss.backward(dloss)
-    ref_options = {k: v for k, v in options.items() if k not in ("chunk_size", "accum_dtype")}
+    ref_options = {k: v for k, v in options.items() if k not in ("chunk_size", "accum_dtype", "memory")}
     doubles = [x.detach().double().requires_grad_(True) if x is not None else None for x in (h, w, b)]
     ref = reference.linear_cross_entropy(doubles[0], doubles[1], t, doubles[2], **ref_options)
     ref.backward(dloss.double())
@@ -104,6 +104,36 @@ def test_no_hidden_features(device):
     loss.backward()
     assert_close(loss, torch.tensor(5.0).log(), torch.float32)
     assert h.grad.shape == (3, 0) and w.grad.shape == (5, 0)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """memory="low" in several token groups and vocabulary blocks, the last of each short."""
+    from onepass.ops import linear_cross_entropy_low as low
+
+    monkeypatch.setattr(low, "GROUP_TOKENS", 4)
+    monkeypatch.setattr(low, "VOCAB_BLOCK", 128)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("label_smoothing, z_loss, softcap", EXTRAS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_low_memory_matches_reference(reduction, label_smoothing, z_loss, softcap, bias, device, small_blocks):
+    h, w, b, t = _inputs(10, 16, 300, torch.float32, device, bias, ignored=(1, 6))
+    _check(h, w, b, t, torch.float32, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+           softcap=softcap, memory="low")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_memory_half_precision_lse_and_pred(dtype, device, small_blocks):
+    h, w, b, t = _inputs(12, 32, 257, dtype, device, bias=True)
+    _check(h.view(3, 4, 32), w, b, t.view(3, 4), dtype, label_smoothing=0.1, memory="low")
+    h, w, b = h.float(), w.float(), b.float()
+    loss, lse, pred = ops.linear_cross_entropy(h, w, t, b, softcap=3.0, return_lse=True, return_pred=True,
+                                               memory="low")
+    ref_lse, ref_pred = reference.logsumexp_argmax(torch.nn.functional.linear(h, w, b).double(), 3.0)
+    assert_close(lse, ref_lse, torch.float32, "lse")
+    assert torch.equal(pred, ref_pred)
 
 
 def test_chunk_size_from_the_accumulator():
@@ -188,6 +218,7 @@ def test_opcheck(device):
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, chunk_size=0), ValueError, "chunk_size"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, chunk_size=2.5), ValueError, "chunk_size"),
     (lambda h, w, t: ops.linear_cross_entropy(h, w, t, reduction="avg"), ValueError, "reduction"),
+    (lambda h, w, t: ops.linear_cross_entropy(h, w, t, memory="lowest"), ValueError, "memory"),
 ])
 def test_bad_input_raises(call, error, words, device):
     h, w, _, t = _inputs(4, 8, 40, torch.float32, device)
@@ -209,9 +240,10 @@ def test_out_of_range_target_raises(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_gpu_bf16_llama3_head(reduction):
-    h, w, b, t = _inputs(2048, 1024, 128256, torch.bfloat16, "cuda", ignored=range(0, 2048, 5))
-    _check(h, w, b, t, torch.bfloat16, reduction=reduction, label_smoothing=0.1, z_loss=1e-4)
+@pytest.mark.parametrize("memory", ["default", "low"])
+def test_gpu_bf16_llama3_head(reduction, memory):
+    h, w, b, t = _inputs(4096, 1024, 128256, torch.bfloat16, "cuda", ignored=range(0, 4096, 5))
+    _check(h, w, b, t, torch.bfloat16, reduction=reduction, label_smoothing=0.1, z_loss=1e-4, memory=memory)
 
 
 @pytest.mark.gpu
@@ -236,3 +268,29 @@ def test_gpu_peak_memory(accum_dtype):
     budget = int(budget * 1.02) + 2**26  # per-token vectors, cuBLAS workspace
     assert extra <= budget, f"{extra / 2**30:.3f} GiB above the inputs, budget {budget / 2**30:.3f} GiB"
     assert torch.isfinite(loss) and dh.isfinite().all() and dw.isfinite().all()
+
+
+@pytest.mark.gpu
+def test_gpu_low_memory_peak():
+    """memory="low" at the benchmark's shape: above the inputs, the gradients and a few MiB of
+    buffer and accumulator (module docstring), where the default holds a float32 dW."""
+    from onepass.ops.linear_cross_entropy_low import GROUP_TOKENS, VOCAB_BLOCK
+
+    tokens, hidden, vocab = 8192, 2048, 128256
+    h, w, _, t = _inputs(tokens, hidden, vocab, torch.bfloat16, "cuda")
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = ops.linear_cross_entropy(h, w, t, memory="low")
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = 2 * tokens * hidden + 2 * vocab * hidden
+    budget = grads + GROUP_TOKENS * VOCAB_BLOCK * 2 + GROUP_TOKENS * hidden * 4 + 2**26
+    assert extra <= budget, f"{extra / 2**30:.3f} GiB above the inputs, budget {budget / 2**30:.3f} GiB"
+    hd, wd = h.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    ref_dh, ref_dw = torch.autograd.grad(reference.linear_cross_entropy(hd, wd, t), (hd, wd))
+    for name, ours, ref in (("dhidden", dh, ref_dh), ("dweight", dw, ref_dw)):
+        err = ((ours.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e} against float32"

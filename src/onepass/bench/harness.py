@@ -27,7 +27,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from onepass.bench.case import Case
 
 SUITES = ["norm", "activation", "loss", "softmax", "rope", "attention", "decode_linear", "optim", "lora", "moe",
-          "post_training", "distillation"]
+          "post_training", "distillation", "lm_head"]
 
 
 @dataclass

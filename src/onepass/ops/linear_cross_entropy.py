@@ -65,6 +65,9 @@ from onepass.ops.dispatch import (
     use_triton,
 )
 from onepass.ops.gemm import accumulate_mm
+from onepass.ops.linear_cross_entropy_low import low_memory_loss
+
+MEMORY_MODES = ("default", "low")
 
 # Tunables: the dW GEMM's arithmetic intensity in flop per byte of accumulator traffic
 # (sets the chunk: 512 x accumulator element size tokens), and the chunk rounding.
@@ -224,7 +227,9 @@ _lce_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public function
 
 
-def _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype):
+def _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype, memory):
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
     check_float("hidden", hidden)
     check_float("weight", weight)
     if hidden.dim() == 0:
@@ -242,7 +247,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: float | None = None, *, return_lse: bool = False,
                          return_pred: bool = False, chunk_size: int | None = None,
-                         accum_dtype: torch.dtype = torch.float32, loss_dtype: torch.dtype | None = None):
+                         accum_dtype: torch.dtype = torch.float32, loss_dtype: torch.dtype | None = None,
+                         memory: str = "default"):
     """``cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the full logits.
 
     hidden [*, H], weight [V, H], bias [V] (one dtype), target [*]; the options and the
@@ -255,8 +261,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     sum over many tokens overflows float16). The loss is computed in float32 either way.
     Gradients are computed during the forward when autograd needs them (all three
     matmuls run there), so a second backward through the same graph raises.
+
+    ``memory="low"``: nothing of the weight's size but its gradient (no float32 accumulator,
+    no [chunk, V] buffer), for a fourth matmul: the forward computes the loss and the lse, the
+    backward recomputes the logits by vocabulary blocks (linear_cross_entropy_low.py); dW is
+    summed over token groups in the weight's dtype. ``chunk_size`` and ``accum_dtype`` are the
+    default mode's.
     """
-    _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype)
+    _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype, memory)
     check_loss_options(target, weight.shape[0], ignore_index, reduction, label_smoothing, z_loss, softcap,
                        hidden.shape[:-1])
     softcap = float(softcap) if softcap is not None else None
@@ -268,6 +280,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         with torch.no_grad():
             lse, pred = reference.logsumexp_argmax(torch.nn.functional.linear(hidden, weight, bias), softcap)
         return loss, (lse if return_lse else None), (pred if return_pred else None)
+    if memory == "low":
+        loss, lse, pred = low_memory_loss(hidden, weight, target, bias, *args, return_pred, loss_dtype or hidden.dtype)
+        return loss if not (return_lse or return_pred) else (loss, lse if return_lse else None,
+                                                              pred if return_pred else None)
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
              grad_on and bias is not None and bias.requires_grad)
