@@ -1,4 +1,5 @@
-"""Cross-entropy over a Llama 3 vocabulary (8192 tokens x 128256, bf16), alone and with its LM head (hidden 2048).
+"""Cross-entropy over a Llama 3 vocabulary (8192 tokens x 128256, bf16), alone and with its LM head (hidden 2048)
+(any shape: ``cases(tokens, hidden, vocab)``).
 
 A loss's backward starts from ``loss.backward()``, an upstream gradient of exactly 1,
 so the fwd+bwd steps here do that instead of the harness's random upstream gradient
@@ -33,15 +34,15 @@ def three_matmuls(hidden, weight):
     return logits @ weight, logits.t() @ hidden
 
 
-def _targets():
-    return torch.randint(0, VOCAB, (TOKENS,), device="cuda")
+def _targets(tokens, vocab):
+    return torch.randint(0, vocab, (tokens,), device="cuda")
 
 
-def _make_cross_entropy(mode: str):
+def _make_cross_entropy(mode: str, tokens: int, vocab: int):
     def make():
         grad = mode == "fwd+bwd"
-        logits = torch.randn(TOKENS, VOCAB, device="cuda", dtype=DTYPE, requires_grad=grad)
-        target = _targets()
+        logits = torch.randn(tokens, vocab, device="cuda", dtype=DTYPE, requires_grad=grad)
+        target = _targets(tokens, vocab)
         step = fwd_bwd if grad else fwd
         liger_ce = liger("liger_kernel.transformers.functional", "liger_cross_entropy")
         return variants(
@@ -56,29 +57,34 @@ def _make_cross_entropy(mode: str):
     return make
 
 
-def _make_linear_cross_entropy():
-    hidden = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=DTYPE, requires_grad=True)
-    weight = (torch.randn(VOCAB, HIDDEN, device="cuda") / HIDDEN**0.5).to(DTYPE).requires_grad_(True)
-    target = _targets()
-    liger_flce = liger("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
-    return variants(
-        onepass=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target),
-        onepass_bf16_accum=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=DTYPE),
-        three_matmuls=fwd(three_matmuls, hidden.detach(), weight.detach()),
-        eager=fwd_bwd(hf_linear_cross_entropy, hidden, weight, target),
-        torch_compile=fwd_bwd(compiled(hf_linear_cross_entropy), hidden, weight, target),
-        liger=fwd_bwd(liger_flce, hidden, weight, target) if liger_flce else None,
-    )
+def _make_linear_cross_entropy(tokens: int, width: int, vocab: int):
+    def make():
+        hidden = torch.randn(tokens, width, device="cuda", dtype=DTYPE, requires_grad=True)
+        weight = (torch.randn(vocab, width, device="cuda") / width**0.5).to(DTYPE).requires_grad_(True)
+        target = _targets(tokens, vocab)
+        liger_flce = liger("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
+        return variants(
+            onepass=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target),
+            onepass_bf16_accum=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=DTYPE),
+            three_matmuls=fwd(three_matmuls, hidden.detach(), weight.detach()),
+            eager=fwd_bwd(hf_linear_cross_entropy, hidden, weight, target),
+            torch_compile=fwd_bwd(compiled(hf_linear_cross_entropy), hidden, weight, target),
+            liger=fwd_bwd(liger_flce, hidden, weight, target) if liger_flce else None,
+        )
+
+    return make
 
 
-def cases() -> list[Case]:
+def cases(tokens: int = TOKENS, hidden: int = HIDDEN, vocab: int = VOCAB) -> list[Case]:
     # minimum bytes, as in ops/cross_entropy.py: read the logits once, write their gradient once
-    logits_bytes = TOKENS * VOCAB * DTYPE.itemsize
+    logits_bytes = tokens * vocab * DTYPE.itemsize
     return [
-        Case("cross_entropy", "fwd+bwd", f"{TOKENS}x{VOCAB} bf16", _make_cross_entropy("fwd+bwd"),
+        Case("cross_entropy", "fwd+bwd", f"{tokens}x{vocab} bf16", _make_cross_entropy("fwd+bwd", tokens, vocab),
              bytes=2 * logits_bytes, measure_memory=True),
-        Case("cross_entropy", "fwd", f"{TOKENS}x{VOCAB} bf16", _make_cross_entropy("fwd"), bytes=logits_bytes),
+        Case("cross_entropy", "fwd", f"{tokens}x{vocab} bf16", _make_cross_entropy("fwd", tokens, vocab),
+             bytes=logits_bytes),
         # the three GEMMs (logits, d hidden, d weight): 6 T H V flops
-        Case("linear_cross_entropy", "fwd+bwd", f"{TOKENS}x{HIDDEN}x{VOCAB} bf16", _make_linear_cross_entropy,
-             flops=6 * TOKENS * HIDDEN * VOCAB, measure_memory=True),
+        Case("linear_cross_entropy", "fwd+bwd", f"{tokens}x{hidden}x{vocab} bf16",
+             _make_linear_cross_entropy(tokens, hidden, vocab), flops=6 * tokens * hidden * vocab,
+             measure_memory=True),
     ]

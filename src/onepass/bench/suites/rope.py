@@ -1,4 +1,5 @@
-"""Rotary embedding of q [4, 32, 4096, 128] and k [4, 8, 4096, 128] (grouped-query), bf16."""
+"""Rotary embedding of q [4, 32, 4096, 128] and k [4, 8, 4096, 128] (grouped-query), bf16
+(any batch, sequence and head dim: ``cases(batch, seq, head_dim)``)."""
 
 from __future__ import annotations
 
@@ -20,22 +21,22 @@ def _hf_rope():
     return apply_rotary_pos_emb
 
 
-def _tables():
+def _tables(batch, seq, head_dim):
     """cos/sin [B, S, D] as LlamaRotaryEmbedding returns them (theta 500000, in the model's dtype)."""
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda", dtype=torch.float32) / HEAD_DIM)
-    pos = torch.arange(SEQ, device="cuda", dtype=torch.float32)
-    emb = torch.cat((pos[:, None] * inv_freq,) * 2, dim=-1).expand(BATCH, SEQ, HEAD_DIM)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda", dtype=torch.float32) / head_dim)
+    pos = torch.arange(seq, device="cuda", dtype=torch.float32)
+    emb = torch.cat((pos[:, None] * inv_freq,) * 2, dim=-1).expand(batch, seq, head_dim)
     return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
 
 
-def _make(mode: str):
+def _make(mode: str, batch: int, seq: int, head_dim: int):
     grad = mode == "fwd+bwd"
     step = fwd_bwd if grad else fwd
 
     def make():
-        q = torch.randn(BATCH, Q_HEADS, SEQ, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=grad)
-        k = torch.randn(BATCH, K_HEADS, SEQ, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=grad)
-        cos, sin = _tables()
+        q = torch.randn(batch, Q_HEADS, seq, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+        k = torch.randn(batch, K_HEADS, seq, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+        cos, sin = _tables(batch, seq, head_dim)
         hf = _hf_rope()
         liger_fn = liger("liger_kernel.transformers.rope", "liger_rotary_pos_emb")
         # in place (inference): rotates the same q, k again each step, same bytes
@@ -51,10 +52,10 @@ def _make(mode: str):
     return make
 
 
-def cases() -> list[Case]:
+def cases(batch: int = BATCH, seq: int = SEQ, head_dim: int = HEAD_DIM) -> list[Case]:
     # minimum bytes, as in ops/rope.py: fwd reads q, k and writes q', k'; bwd the same again
-    # for the gradients (cos/sin, 8 MiB in all, are not counted)
-    qk = BATCH * (Q_HEADS + K_HEADS) * SEQ * HEAD_DIM * DTYPE.itemsize
-    shape = f"q {BATCH}x{Q_HEADS}x{SEQ}x{HEAD_DIM}, k {BATCH}x{K_HEADS}x{SEQ}x{HEAD_DIM} bf16"
-    return [Case("rope", "fwd", shape, _make("fwd"), bytes=2 * qk),
-            Case("rope", "fwd+bwd", shape, _make("fwd+bwd"), bytes=4 * qk)]
+    # for the gradients (cos/sin, 8 MiB in all at the default shape, are not counted)
+    qk = batch * (Q_HEADS + K_HEADS) * seq * head_dim * DTYPE.itemsize
+    shape = f"q {batch}x{Q_HEADS}x{seq}x{head_dim}, k {batch}x{K_HEADS}x{seq}x{head_dim} bf16"
+    return [Case("rope", "fwd", shape, _make("fwd", batch, seq, head_dim), bytes=2 * qk),
+            Case("rope", "fwd+bwd", shape, _make("fwd+bwd", batch, seq, head_dim), bytes=4 * qk)]

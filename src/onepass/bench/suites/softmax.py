@@ -1,4 +1,5 @@
-"""Scale + causal mask + softmax on attention scores: 64 x 4096 x 4096, bf16."""
+"""Scale + causal mask + softmax on attention scores: 64 x 4096 x 4096, bf16
+(any shape: ``cases(batch_heads, seq)``)."""
 
 from __future__ import annotations
 
@@ -18,19 +19,19 @@ def eager_softmax(x, mask, scale):
     return torch.softmax(z, dim=-1, dtype=torch.float32).to(x.dtype)
 
 
-def _causal_additive_mask():
+def _causal_additive_mask(seq):
     """The [S, S] additive mask HF builds: 0 where visible, the dtype's minimum above the diagonal."""
-    hidden = torch.ones(SEQ, SEQ, dtype=torch.bool, device="cuda").triu(1)
-    return torch.zeros(SEQ, SEQ, dtype=DTYPE, device="cuda").masked_fill(hidden, torch.finfo(DTYPE).min)
+    hidden = torch.ones(seq, seq, dtype=torch.bool, device="cuda").triu(1)
+    return torch.zeros(seq, seq, dtype=DTYPE, device="cuda").masked_fill(hidden, torch.finfo(DTYPE).min)
 
 
-def _make(causal: bool, mode: str):
+def _make(causal: bool, mode: str, batch_heads: int, seq: int):
     grad = mode == "fwd+bwd"
     step = fwd_bwd if grad else fwd
 
     def make():
-        x = torch.randn(BATCH_HEADS, SEQ, SEQ, device="cuda", dtype=DTYPE, requires_grad=grad)
-        mask = _causal_additive_mask() if causal else None
+        x = torch.randn(batch_heads, seq, seq, device="cuda", dtype=DTYPE, requires_grad=grad)
+        mask = _causal_additive_mask(seq) if causal else None
         return variants(
             onepass=step(ops.softmax, x, -1, SCALE, None, causal),
             eager=step(eager_softmax, x, mask, SCALE),
@@ -40,13 +41,14 @@ def _make(causal: bool, mode: str):
     return make
 
 
-def cases() -> list[Case]:
+def cases(batch_heads: int = BATCH_HEADS, seq: int = SEQ) -> list[Case]:
     # minimum bytes, as in ops/softmax.py: fwd reads x and writes y (the causal kernel reads
     # only the visible half, but a full read is counted); bwd reads y and dy and writes dx
-    size = BATCH_HEADS * SEQ * SEQ * DTYPE.itemsize
-    shape = f"{BATCH_HEADS}x{SEQ}x{SEQ} bf16"
+    size = batch_heads * seq * seq * DTYPE.itemsize
+    shape = f"{batch_heads}x{seq}x{seq} bf16"
     return [
-        Case("softmax", "fwd", f"{shape}, scale + causal", _make(True, "fwd"), bytes=2 * size),
-        Case("softmax", "fwd+bwd", f"{shape}, scale + causal", _make(True, "fwd+bwd"), bytes=5 * size),
-        Case("softmax", "fwd", f"{shape}, scale", _make(False, "fwd"), bytes=2 * size),
+        Case("softmax", "fwd", f"{shape}, scale + causal", _make(True, "fwd", batch_heads, seq), bytes=2 * size),
+        Case("softmax", "fwd+bwd", f"{shape}, scale + causal", _make(True, "fwd+bwd", batch_heads, seq),
+             bytes=5 * size),
+        Case("softmax", "fwd", f"{shape}, scale", _make(False, "fwd", batch_heads, seq), bytes=2 * size),
     ]
