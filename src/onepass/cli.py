@@ -5,6 +5,8 @@
     onepass bench ops [...]     the op benchmarks (GPU)
     onepass bench train [...]   a whole training step of a built-in model (GPU; --gpus N: FSDP2)
     onepass bench generate [...] generation with a built-in model: HF against onepass (GPU)
+    onepass bench sweep [...]   every op over a grid of model shapes, checked, then timed (GPU)
+    onepass bench sweep-report  a sweep's JSON as Markdown and heatmaps (no GPU needed)
     onepass selfcheck           every op against its float64 reference, and its byte budget
     onepass analyze [...]       where a model's HBM bytes and launches go (no GPU needed)
 
@@ -107,6 +109,32 @@ def _bench_ops(args) -> int:
     return 0
 
 
+def _bench_sweep(args) -> int:
+    if _no_gpu("bench sweep"):
+        return 2
+    from onepass.bench.sweep import run_sweep, write_report
+
+    try:
+        path = run_sweep(args.grid, args.only, args.out, args.max_minutes)
+    except ValueError as e:
+        print(f"onepass bench sweep: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(map(str, write_report(path))))
+    return 0
+
+
+def _bench_sweep_report(args) -> int:
+    from pathlib import Path
+
+    if not Path(args.json).is_file():
+        print(f"onepass bench sweep-report: no file {args.json}", file=sys.stderr)
+        return 2
+    from onepass.bench.sweep import write_report
+
+    print("\n".join(map(str, write_report(args.json, args.out, log=lambda line: print(line, file=sys.stderr)))))
+    return 0
+
+
 def _bench_train(args) -> int:
     variants = tuple(args.variants.split(",")) if args.variants else None
     if args.gpus == 1 and not args.max_seq:
@@ -205,6 +233,7 @@ def _command(sub, name: str, about: str, fn=None, hf: bool = False) -> argparse.
 def build_parser() -> argparse.ArgumentParser:
     from onepass import __version__
     from onepass.bench.harness import SUITES
+    from onepass.bench.sweep import GRID_SIZES
     from onepass.models.configs import CONFIGS
 
     models = sorted(CONFIGS)
@@ -224,6 +253,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ops.add_argument("--only", help="keep only the cases whose op name contains this (results written beside "
                                           "the full ones, as <suite>-only-<this>; default: every case)")
     bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
+    bench_sweep = _command(bench, "sweep", "every op, forward and forward+backward, over a grid of real model "
+                                           "shapes against eager PyTorch, torch.compile, PyTorch's fused path and "
+                                           "Liger-Kernel, each cell checked against eager before it is timed (GPU); "
+                                           "JSON, Markdown and heatmaps under --out/<gpu>/", _bench_sweep)
+    bench_sweep.add_argument("--grid", choices=GRID_SIZES, default="quick",
+                             help="quick: every op at two shapes (about 5 minutes on an H100); full: the whole grid "
+                                  "(over an hour; bound it with --max-minutes)")
+    bench_sweep.add_argument("--only", help="keep only the ops whose name contains this (results written beside the "
+                                            "full ones; default: every op)")
+    bench_sweep.add_argument("--out", default="benchmarks/results", help="results folder")
+    bench_sweep.add_argument("--max-minutes", type=float, help="start no cell after this many minutes; the rest are "
+                                                               "recorded as skipped (default: no limit)")
+    sweep_report = _command(bench, "sweep-report", "a sweep's JSON as a Markdown summary and, where matplotlib is "
+                                                   "installed, heatmaps of onepass's ratio to the best peer (no GPU "
+                                                   "needed)", _bench_sweep_report)
+    sweep_report.add_argument("json", help="the sweep's JSON file")
+    sweep_report.add_argument("--out", help="folder for the report (default: beside the JSON)")
     bench_train = _command(bench, "train", "a whole training step of a built-in model: eager, torch.compile, "
                                            "Liger-Kernel, onepass (GPU; --gpus N: under FSDP2)", _bench_train, hf=True)
     bench_train.add_argument("--model", choices=models, help="a built-in model configuration (default: llama-1b; "
