@@ -116,7 +116,7 @@ if __name__ == "__main__":
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name, dtype = ("llama-1b", torch.bfloat16) if device == "cuda" else ("llama-tiny", torch.float32)
-    PAIRS, STEPS = 8, 2
+    PAIRS, STEPS = 4, 2
 
     torch.manual_seed(0)
     model = build(name, device=device, dtype=dtype).train()

@@ -16,6 +16,7 @@ numbers of targets, so a per-micro-batch mean cannot match by chance.
 from __future__ import annotations
 
 import functools
+import math
 import pathlib
 import runpy
 import sys
@@ -276,3 +277,98 @@ def test_a_forward_wrapped_before_optimize_keeps_its_own_keywords():
     ids = _micro_batches(_rows())[0]["input_ids"]
     with onepass.reference_mode():
         assert model(input_ids=ids, labels=ids, fused_lm_head=True) == "the wrapper's own head"
+
+
+DPO_EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "dpo_with_trl.py"
+
+
+def _preference_data(pairs: int):
+    """``pairs`` preference pairs as text in the example tokenizer's words: prompts and
+    completions of different lengths, so the collator right-pads them."""
+    datasets = pytest.importorskip("datasets")
+    g = torch.Generator().manual_seed(0)
+
+    def words(low: int, high: int) -> str:
+        n = int(torch.randint(low, high + 1, (), generator=g))
+        return " " + " ".join(f"w{i}" for i in torch.randint(2, 200, (n,), generator=g).tolist())
+
+    return datasets.Dataset.from_dict({"prompt": [words(1, 4) for _ in range(pairs)],
+                                       "chosen": [words(1, 5) for _ in range(pairs)],
+                                       "rejected": [words(1, 5) for _ in range(pairs)]})
+
+
+def _dpo_trainer(kind: str, device: str, optimize: bool = False) -> functools.partial:
+    """TRL's DPOTrainer (``kind`` "trl") or the example's OnepassDPOTrainer ("onepass"), all but the
+    policy and the config given: a reference model whose weights are not the policy's (a log-ratio
+    taken against the wrong model shows), onepass-optimized with ``optimize``; the example's tokenizer."""
+    trl = pytest.importorskip("trl")
+    example = runpy.run_path(str(DPO_EXAMPLE), run_name="dpo_with_trl")  # the recipe without its training run
+    ref_model = tiny.build("llama", seed=1).to(device).eval()
+    return functools.partial(example["OnepassDPOTrainer"] if kind == "onepass" else trl.DPOTrainer,
+                             ref_model=_optimized(ref_model) if optimize else ref_model,
+                             processing_class=example["tokenizer_of"](200))
+
+
+def test_dpo_through_linear_dpo_loss_trains_as_trl_dpo_trainer(device, tmp_path):
+    """examples/dpo_with_trl.py's OnepassDPOTrainer trains as TRL's DPOTrainer does: over the
+    same steps (two micro-batches of two right-padded pairs a step: gradient accumulation; TRL's
+    defaults, gradient checkpointing included) the same logged losses, gradient norms, rewards and
+    log-probs, and the same change in every parameter (plain SGD: the gradient shows)."""
+    trl = pytest.importorskip("trl")
+    data = _preference_data(STEPS * ACCUMULATE * MICRO)
+
+    def train(kind: str) -> dict:
+        trainers = []
+
+        def dpo_trainer(**kwargs):
+            trainers.append(_dpo_trainer(kind, device)(**kwargs))
+            return trainers[-1]
+
+        run = _training(tiny.build("llama").to(device), tmp_path / kind, device, trainer_type=dpo_trainer,
+                        config_type=trl.DPOConfig, data=data, bf16=False, beta=0.5)
+        logs = [h for h in trainers[0].state.log_history if "loss" in h]
+        logged = [k for k in logs[0] if k.startswith(("rewards/", "logps/"))]
+        run["metrics"] = {k: torch.tensor([h[k] for h in logs]) for k in logged}
+        return run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL on the tokenizer's tokens and the deprecated gradient_checkpointing
+        ref, run = train("trl"), train("onepass")
+    assert ref["metrics"]["rewards/chosen"].abs().min() > 1e-3, ref["metrics"]  # the policy is not the reference
+    _assert_same_training(run, ref)
+    assert run["metrics"].keys() == ref["metrics"].keys() and len(ref["metrics"]) == 6, ref["metrics"].keys()
+    for key, values in ref["metrics"].items():
+        assert rel_error(run["metrics"][key], values) <= TOL, (key, run["metrics"][key].tolist(), values.tolist())
+
+
+def test_dpo_through_linear_dpo_loss_on_optimized_models_matches_trl(device, tmp_path):
+    """OnepassDPOTrainer with the policy and the reference model onepass-optimized (fused layers
+    under the fused loss), on one batch of four right-padded pairs: the loss and every parameter's
+    gradient are TRL's DPOTrainer's on the unoptimized models (one micro-batch: the interpreter
+    runs the fused layers slowly; the test above covers the training loop)."""
+    trl = pytest.importorskip("trl")
+    data = _preference_data(4)
+
+    def loss_and_grads(kind: str, optimize: bool):
+        model = tiny.build("llama").to(device).train()
+        config = trl.DPOConfig(str(tmp_path / kind), per_device_train_batch_size=4, bf16=False, beta=0.5,
+                               report_to=[], use_cpu=device == "cpu", disable_tqdm=True)
+        trainer = _dpo_trainer(kind, device, optimize)(model=_optimized(model) if optimize else model, args=config,
+                                                       train_dataset=data)
+        batch = next(iter(trainer.get_train_dataloader()))
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}, batch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL on the tokenizer's tokens and the deprecated gradient_checkpointing
+        ref_loss, ref_grads, batch = loss_and_grads("trl", optimize=False)
+        loss, grads, _ = loss_and_grads("onepass", optimize=True)
+    # what lets it fail: padding, completions of different lengths, a policy that is not the reference
+    assert batch["attention_mask"].eq(0).any() and len(set(batch["completion_mask"].sum(-1).tolist())) > 1
+    assert abs(ref_loss.item() - math.log(2)) > 1e-3, ref_loss
+    assert rel_error(loss, ref_loss) <= TOL, (loss.item(), ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        err = rel_error(grads[name], grad)
+        assert err <= TOL, f"the gradient of {name}: relative error {err:.3g}"
