@@ -54,3 +54,13 @@ def test_readme_quickstart_snippet_runs_as_written(index, device, capsys):
         pytest.skip("a GPU-only snippet")
     exec(compile(code, f"README.md quickstart snippet {index}", "exec"), {"__name__": "__main__"})
     assert capsys.readouterr().out  # each prints what it made
+
+
+def test_readme_post_training_snippet_runs_as_written(device, capsys):
+    """The Python block under "### Post-training losses", alone in a namespace of its own."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n### Post-training losses\n", 1)[1].split("\n### ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    exec(compile(code, "README.md post-training snippet", "exec"), {"__name__": "__main__"})
+    loss, accuracy = (float(x) for x in capsys.readouterr().out.split())
+    assert loss > 0 and 0 <= accuracy <= 1
