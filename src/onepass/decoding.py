@@ -43,6 +43,7 @@ call ``model.eval()`` first, as for ``generate`` (dropout would run otherwise).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -87,7 +88,8 @@ class Decoder:
     logits over ``temperature``, kept to the ``top_k`` likeliest and to the smallest set whose
     probability reaches ``top_p``. ``eos_token_id`` (an id or a list) and ``pad_token_id``
     default to the model's ``generation_config``. ``cuda_graph`` defaults to True on a GPU
-    where the step can be captured (``graph_off`` says why not); True where it cannot raises.
+    where the step can be captured (``graph_off`` says why not: also set, with a warning, when
+    the capture fails, e.g. a model whose forward copies a CPU tensor); True where it cannot raises.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, do_sample: bool = False,
@@ -126,6 +128,7 @@ class Decoder:
 
         host_decided = any(isinstance(layer, StaticSlidingWindowLayer) for layer in self.cache.layers)
         self.graph_off = self._why_no_graph(device, cuda_graph, host_decided)
+        self._graph_asked = cuda_graph is True  # else a failed capture falls back to eager steps
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -229,10 +232,15 @@ class Decoder:
                 with torch.cuda.graph(graph):
                     self._step(padded)
             except Exception as e:
-                raise RuntimeError(
-                    f"capturing the decode step as a CUDA graph failed ({type(e).__name__}: {e}): the model's "
-                    "forward does something a graph cannot hold (a host sync, a CPU tensor, ...); "
-                    "Decoder(..., cuda_graph=False) decodes eagerly") from e
+                reason = (f"capturing the decode step as a CUDA graph failed ({type(e).__name__}: {e}): the model's "
+                          "forward does something a graph cannot hold (a host sync, a CPU tensor, ...)")
+                if self._graph_asked:
+                    raise RuntimeError(f"{reason}; Decoder(..., cuda_graph=False) decodes eagerly") from e
+                # by default a step that cannot be captured runs eagerly (the capture ran none of its work)
+                warnings.warn(f"onepass.Decoder decodes without a CUDA graph: {reason}", stacklevel=3)
+                self.graph_off = reason
+                self._step(padded)
+                return
             self._graphs[padded] = graph
         graph.replay()
 

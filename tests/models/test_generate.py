@@ -37,10 +37,11 @@ def _hf(model, ids, new, **kw):
     return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD, **kw)
 
 
-def _assert_hf_greedy(ours, model, ids, new, near_tie=NEAR_TIE, **kw):
+def _assert_hf_greedy(ours, model, ids, new, near_tie=NEAR_TIE, least_compared=0.5, **kw):
     """``ours`` is HF's greedy continuation of ``ids``, in each row up to the first step where
     HF's two likeliest tokens are a near-tie (there either may be picked; the rest of the row
-    follows from it). Most tokens must be compared, or the test would say nothing."""
+    follows from it). A share ``least_compared`` of the tokens must be compared, or the test
+    would say nothing."""
     out = _hf(model, ids, new, output_logits=True, return_dict_in_generate=True, **kw)
     top2 = torch.stack(out.logits, 1).float().topk(2, -1).values
     margins = top2[..., 0] - top2[..., 1]  # [batch, steps]
@@ -52,7 +53,7 @@ def _assert_hf_greedy(ours, model, ids, new, near_tie=NEAR_TIE, **kw):
         compared += end - prompt
         if not len(ties):
             assert ours.shape[1] == out.sequences.shape[1]
-    assert compared >= ids.shape[0] * margins.shape[1] // 2, f"{compared} tokens compared"
+    assert compared >= ids.shape[0] * margins.shape[1] * least_compared, f"{compared} tokens compared"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -399,7 +400,8 @@ def test_graph_replay_draws_fresh_noise():
 def test_sliding_window_model_replays_the_graph(family, optimized):
     """fp32: the decode step of a sliding-window model is captured and replayed over several
     calls (prompts padded or not), past its window of 5 many times over (7 + 40 tokens), and
-    gives HF's greedy tokens of the unoptimized model (near-ties wider: cuBLAS may sum otherwise)."""
+    gives HF's greedy tokens of the unoptimized model (near-ties wider: cuBLAS may sum otherwise;
+    a tiny Gemma 3 meets one within its first 8 tokens of a row, so a quarter must be compared)."""
     ref = tiny.build(family).cuda().eval()
     model = copy.deepcopy(ref)
     if optimized:
@@ -411,5 +413,21 @@ def test_sliding_window_model_replays_the_graph(family, optimized):
     ids, (padded, mask) = _prompts(device="cuda"), (t.cuda() for t in _left_padded(batch=2))
     for prompts, attention_mask in ((ids, None), (padded, mask), (ids, None)):
         ours = decoder.generate(prompts, 40, attention_mask=attention_mask)
-        _assert_hf_greedy(ours, ref, prompts, 40, near_tie=1e-3, attention_mask=attention_mask)
+        _assert_hf_greedy(ours, ref, prompts, 40, near_tie=1e-3, least_compared=0.25, attention_mask=attention_mask)
     assert set(decoder._graphs) == {False, True}
+
+
+@pytest.mark.gpu
+def test_a_step_that_cannot_be_captured_decodes_eagerly():
+    """A forward that copies a CPU tensor (Gemma 2's in transformers 5.17) cannot be captured: by
+    default the Decoder says so, decodes eagerly and gives HF's tokens; cuda_graph=True raises."""
+    model = tiny.build("llama").cuda().eval()
+    model.get_input_embeddings().register_forward_hook(lambda _m, _i, out: out + torch.zeros(1).to(out.device))
+    ids = _prompts(device="cuda")
+    decoder = Decoder(model, batch_size=2, max_len=32, pad_token_id=PAD)
+    with pytest.warns(UserWarning, match="without a CUDA graph"):
+        ours = decoder.generate(ids, 12)
+    assert "CPU" in decoder.graph_off
+    _assert_hf_greedy(ours, model, ids, 12, near_tie=1e-3)
+    with pytest.raises(RuntimeError, match="cuda_graph=False"):
+        Decoder(model, batch_size=2, max_len=32, pad_token_id=PAD, cuda_graph=True).generate(ids, 12)

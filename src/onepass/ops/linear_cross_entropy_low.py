@@ -23,8 +23,8 @@ in tests/ops/test_linear_cross_entropy.py's GPU test and the benchmark notes).
 Sizes: the dW add reads and writes V_b H elements of 2 bytes for 2 G V_b H flops (G / 2 flop
 a byte: G >= 512 keeps it under the matmul on Hopper), the dx add reads and writes G H floats
 for 2 G V_b H flops (V_b / 4 flop a byte: V_b >= 2048); larger G means fewer roundings of dW
-and larger buffers. G = 2048, V_b = 8192: at H = 4096, 32 MiB of buffer and 32 MiB of
-accumulator.
+and larger buffers. G = 2048, V_b = 4096: at H = 4096, 16 MiB of buffer and 32 MiB of
+accumulator, which keeps the peak at Liger's (benchmarks/results/h100-80gb-hbm3/lm_head.md).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from onepass.ops.dispatch import first_order_only, flat, launch, row_settings
 from onepass.ops.gemm import accumulate_mm
 
 GROUP_TOKENS = 2048
-VOCAB_BLOCK = 8192
+VOCAB_BLOCK = 4096
 
 
 @triton.jit
