@@ -1,6 +1,6 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
-    python benchmarks/tune_rowwise.py [profile] [norm] [activation]
+    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -70,6 +70,28 @@ def sweep_norm_bwd(copy):
     norm.row_settings, norm.bwd_programs_per_sm = original_settings, original_per_sm
 
 
+def sweep_norm_bwd_wide(copy):
+    """rms and layer norm backward of wide rows (12288, 16384: the sweep's cliff) by the widest block
+    held at once (norm.bwd_max_block), timed by CUDA-graph replay."""
+    original = norm.bwd_max_block
+    for is_rms, rows, n in itertools.product((True, False), (1024, 8192), (8192, 12288, 16384)):
+        h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(h)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0, is_rms, h.dtype)
+        for cap in (2048, 4096, 8192, 16384):
+            norm.bwd_max_block = lambda n_cols, c_=cap: c_
+            step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, None if is_rms else h.dtype,
+                                     None if is_rms else mean, rstd, 0.0, 0, is_rms, h.dtype, False, (True, True))
+            step()
+            us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
+            gbps = 3 * h.numel() * 2 / us / 1e3
+            print(f"norm {'rms' if is_rms else 'layer'} bwd {rows}x{n} max_block={cap:<5} {us:8.1f} us "
+                  f"{gbps / copy:6.1%}")
+    norm.bwd_max_block = original
+
+
 def sweep_activation(copy):
     n = 8192
     g = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
@@ -130,12 +152,14 @@ def profile_step():
 if __name__ == "__main__":
     import sys
 
-    parts = sys.argv[1:] or ["profile", "norm", "activation"]  # any of these, in this order
+    parts = sys.argv[1:] or ["profile", "norm", "wide", "activation"]  # any of these, in this order
     ceilings = measure_ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s")
     if "profile" in parts:
         profile_step()
     if "norm" in parts:
         sweep_norm(ceilings.copy_gbps)
+    if "wide" in parts:
+        sweep_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:
         sweep_activation(ceilings.copy_gbps)

@@ -16,3 +16,17 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, beta: int, alpha: float = 1
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta, alpha=alpha)  # the CPU has no mixed-dtype GEMM
     return acc
+
+
+def aligned_head(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """An LM head whose vocabulary is not a multiple of 8 (GPT-2's 50257), with zero rows (and
+    bias entries) appended up to one (a copy of the head; the head itself where none is needed).
+    GEMMs with such a dimension send cuBLAS to its unaligned kernels, and a logits buffer of that
+    width cannot be a dense ``out=`` (PyTorch then writes a temporary and copies it):
+    linear_cross_entropy at 8192 x 2048 x 50257 took 34-40 ms on an H100 against torch.compile's
+    8.9, whose Inductor pads the same way (benchmarks/results/h100-80gb-hbm3/sweep.md)."""
+    pad = -weight.shape[0] % 8
+    if pad == 0:
+        return weight, bias
+    return (torch.cat([weight, weight.new_zeros(pad, weight.shape[1])]),
+            None if bias is None else torch.cat([bias, bias.new_zeros(pad)]))

@@ -64,7 +64,7 @@ from onepass.ops.dispatch import (
     is_int,
     use_triton,
 )
-from onepass.ops.gemm import accumulate_mm
+from onepass.ops.gemm import accumulate_mm, aligned_head
 from onepass.ops.linear_cross_entropy_low import low_memory_loss
 
 MEMORY_MODES = ("default", "low")
@@ -104,11 +104,15 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
     d_hidden = torch.empty((n_tokens, n_hidden), dtype=hidden.dtype, device=dev) if need_dh else None
     # the first chunk's GEMM overwrites the accumulator (beta = 0): zero-filled only if there is no chunk
     alloc = torch.empty if n_tokens else torch.zeros
-    d_weight = alloc((n_vocab, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
-    d_bias = torch.zeros(n_vocab, dtype=torch.float32, device=dev) if need_db else None
+    # the GEMMs run over a vocabulary padded to a multiple of 8 with zero rows: the padded logits
+    # stay 0 and are not the loss's, so they add nothing to dx, and their dW / db rows are dropped
+    weight, bias = aligned_head(weight, bias)
+    padded = weight.shape[0]
+    d_weight = alloc((padded, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
+    d_bias = torch.zeros(padded, dtype=torch.float32, device=dev) if need_db else None
     scale = flat(dloss) if dloss is not None else torch.ones((), dtype=torch.float32, device=dev)
     chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else weight.dtype, chunk_size)
-    buf = torch.empty((min(chunk, n_tokens), n_vocab), dtype=hidden.dtype, device=dev)
+    buf = torch.empty((min(chunk, n_tokens), padded), dtype=hidden.dtype, device=dev)
     w_t = weight.t()
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
@@ -117,9 +121,10 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
             torch.mm(h_c, w_t, out=z)  # write C x V logits
         else:
             torch.addmm(bias, h_c, w_t, out=z)
-        ce_rows(z, t[start:end], z if any_grad else None, loss_rows[start:end], lse[start:end],
-                pred[start:end] if return_pred else None, counts, scale[start:end] if scale.dim() else scale,
-                ignore_index, reduction, label_smoothing, z_loss, softcap, all_rows)  # read z, write dz over it
+        ce_rows(z[:, :n_vocab], t[start:end], z[:, :n_vocab] if any_grad else None, loss_rows[start:end],
+                lse[start:end], pred[start:end] if return_pred else None, counts,
+                scale[start:end] if scale.dim() else scale, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                all_rows)  # read z, write dz over it
         if need_dh:
             torch.mm(z, weight, out=d_hidden[start:end])
         if need_dw:
@@ -131,8 +136,8 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
     return (
         loss, lse.view(target.shape), pred.view(target.shape) if return_pred else pred,
         d_hidden.view(hidden.shape) if need_dh else hidden.new_empty(0),  # (outputs may not alias)
-        d_weight.to(weight.dtype) if need_dw else hidden.new_empty(0),
-        d_bias.to(bias.dtype) if need_db else hidden.new_empty(0),
+        d_weight[:n_vocab].to(weight.dtype) if need_dw else hidden.new_empty(0),
+        d_bias[:n_vocab].to(bias.dtype) if need_db else hidden.new_empty(0),
     )
 
 

@@ -72,6 +72,18 @@ def bwd_programs_per_sm(block: int) -> int:
     return 4 if block <= 2048 else 2
 
 
+MAX_BWD_BLOCK = 8192
+
+
+def bwd_max_block(n_cols: int) -> int:
+    """The widest row block the backward holds at once; wider rows loop over blocks. One block of
+    16384 (with the dw and db partial rows) spills: LayerNorm's backward of 12288- and 16384-wide
+    rows ran 4-6x slower than in blocks of 8192. Rows that 8192 does not divide (12288) take
+    blocks of 4096, which leave no block part-empty (benchmarks/tune_rowwise.py wide;
+    results/h100-80gb-hbm3/tune_norm_wide.log)."""
+    return MAX_BWD_BLOCK if n_cols <= MAX_BWD_BLOCK or n_cols % MAX_BWD_BLOCK == 0 else MAX_BWD_BLOCK // 2
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -342,7 +354,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
-    block, num_warps = row_settings(n)
+    block, num_warps = row_settings(min(n, bwd_max_block(n)))
     programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(block)))
     one_block = n <= block
     alloc = torch.empty if one_block and m > 0 else torch.zeros  # empty input: zero gradients
