@@ -246,21 +246,26 @@ def test_gpu_bf16_llama3_head(reduction, memory):
     _check(h, w, b, t, torch.bfloat16, reduction=reduction, label_smoothing=0.1, z_loss=1e-4, memory=memory)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_peak_memory(accum_dtype):
-    """8192 tokens, hidden 2048, vocab 128256 (the benchmark's shape): the full logits
-    (2 GiB in bf16) never exist; peak above the inputs is what the module docstring says."""
-    tokens, hidden, vocab = 8192, 2048, 128256
+def _gpu_peak_above_inputs(tokens, hidden, vocab, **options):
+    """(bytes at the peak above the inputs, loss, dh, dw, the inputs) of one bf16 fwd+bwd."""
     h, w, _, t = _inputs(tokens, hidden, vocab, torch.bfloat16, "cuda")
     h.requires_grad_(True)
     w.requires_grad_(True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    loss = ops.linear_cross_entropy(h, w, t, accum_dtype=accum_dtype)
+    loss = ops.linear_cross_entropy(h, w, t, **options)
     dh, dw = torch.autograd.grad(loss, (h, w))
-    extra = torch.cuda.max_memory_allocated() - base
+    return torch.cuda.max_memory_allocated() - base, loss, dh, dw, (h, w, t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_peak_memory(accum_dtype):
+    """8192 tokens, hidden 2048, vocab 128256 (the benchmark's shape): the full logits
+    (2 GiB in bf16) never exist; peak above the inputs is what the module docstring says."""
+    tokens, hidden, vocab = 8192, 2048, 128256
+    extra, loss, dh, dw, _ = _gpu_peak_above_inputs(tokens, hidden, vocab, accum_dtype=accum_dtype)
     acc_bytes = torch.finfo(accum_dtype).bits // 8
     chunk = chunk_tokens(tokens, accum_dtype)
     grads = 2 * tokens * hidden + 2 * vocab * hidden  # dh, dw (bf16)
@@ -277,15 +282,7 @@ def test_gpu_low_memory_peak():
     from onepass.ops.linear_cross_entropy_low import GROUP_TOKENS, VOCAB_BLOCK
 
     tokens, hidden, vocab = 8192, 2048, 128256
-    h, w, _, t = _inputs(tokens, hidden, vocab, torch.bfloat16, "cuda")
-    h.requires_grad_(True)
-    w.requires_grad_(True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    loss = ops.linear_cross_entropy(h, w, t, memory="low")
-    dh, dw = torch.autograd.grad(loss, (h, w))
-    extra = torch.cuda.max_memory_allocated() - base
+    extra, _, dh, dw, (h, w, t) = _gpu_peak_above_inputs(tokens, hidden, vocab, memory="low")
     grads = 2 * tokens * hidden + 2 * vocab * hidden
     budget = grads + GROUP_TOKENS * VOCAB_BLOCK * 2 + GROUP_TOKENS * hidden * 4 + 2**26
     assert extra <= budget, f"{extra / 2**30:.3f} GiB above the inputs, budget {budget / 2**30:.3f} GiB"

@@ -500,14 +500,19 @@ class _InplaceGradCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------- public functions
 
 
-def check_loss_options(target, n_cols, ignore_index, reduction, label_smoothing, z_loss, softcap, target_shape):
+def check_target(target, target_shape, whose: str = "the input's") -> None:
+    """Class indices (int64 or int32) of the input's shape without its last dim."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
     if target.shape != target_shape:
-        raise ValueError(f"target must have shape {tuple(target_shape)} (the input's without its last dim), "
+        raise ValueError(f"target must have shape {tuple(target_shape)} ({whose} without its last dim), "
                          f"got {tuple(target.shape)}")
+
+
+def check_loss_options(target, n_cols, ignore_index, reduction, label_smoothing, z_loss, softcap, target_shape):
+    check_target(target, target_shape)
     if n_cols == 0:
         raise ValueError("the class (last) dim must not be empty")
     if reduction not in REDUCTIONS:

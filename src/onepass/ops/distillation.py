@@ -62,7 +62,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops.cross_entropy import consume_forward_grad, count_targets, scaled_grad
+from onepass.ops.cross_entropy import check_target, consume_forward_grad, count_targets, scaled_grad
 from onepass.ops.dispatch import (
     as_rows,
     check_float,
@@ -402,13 +402,7 @@ def _check(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, weigh
         raise ValueError(f"teacher_hidden must have student_hidden's token dims {tuple(tokens)}, "
                          f"got {tuple(t_hidden.shape[:-1])}")
     if target is not None:
-        if not isinstance(target, torch.Tensor):
-            raise TypeError(f"target must be None or a torch.Tensor, got {type(target).__name__}")
-        if target.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
-        if target.shape != tokens:
-            raise ValueError(f"target must have shape {tuple(tokens)} (student_hidden's without its last dim), "
-                             f"got {tuple(target.shape)}")
+        check_target(target, tokens, "student_hidden's")
     for name, value in (("weight_hard_loss", weight_hard), ("weight_soft_loss", weight_soft)):
         if not is_number(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
