@@ -76,7 +76,7 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     use_triton,
 )
-from onepass.ops.gemm import accumulate_mm
+from onepass.ops.gemm import accumulate_mm, aligned_head
 from onepass.ops.linear_cross_entropy import chunk_tokens
 
 # Which divergence: beta = 0, beta = 1, or the mixture in between.
@@ -303,12 +303,16 @@ def _jsd_launch(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, 
     d_hidden = torch.empty((n_tokens, n_hidden), dtype=s_hidden.dtype, device=dev) if need_dh else None
     # the first chunk's GEMM overwrites the accumulator (beta = 0): zero-filled only if there is no chunk
     alloc = torch.empty if n_tokens else torch.zeros
-    d_weight = alloc((n_vocab, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
-    d_bias = torch.zeros(n_vocab, dtype=torch.float32, device=dev) if need_db else None
+    # the GEMMs run over vocabularies padded to a multiple of 8 with zero rows (gemm.aligned_head): the
+    # padded logits stay 0 and are read by no kernel, so they add nothing to dx; their dW / db rows are dropped
+    (s_weight, s_bias), (t_weight, t_bias) = aligned_head(s_weight, s_bias), aligned_head(t_weight, t_bias)
+    padded = s_weight.shape[0]
+    d_weight = alloc((padded, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
+    d_bias = torch.zeros(padded, dtype=torch.float32, device=dev) if need_db else None
     chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else s_weight.dtype, chunk_size)
     rows = min(chunk, n_tokens)
-    z_buf = torch.empty((rows, n_vocab), dtype=s_hidden.dtype, device=dev)
-    y_buf = torch.empty((rows, n_vocab), dtype=t_hidden.dtype, device=dev) if soft else None
+    z_buf = torch.empty((rows, padded), dtype=s_hidden.dtype, device=dev)
+    y_buf = torch.empty((rows, padded), dtype=t_hidden.dtype, device=dev) if soft else None
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         z, h_c = z_buf[: end - start], hs[start:end]
@@ -317,8 +321,9 @@ def _jsd_launch(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, 
         if soft:
             y = y_buf[: end - start]
             _logits(ht[start:end], t_weight, t_bias, y)  # write C x V teacher logits
-        jsd_rows(z, y, t[start:end] if t is not None else None, loss_rows[start:end], counts, any_grad,
-                 weight_hard, weight_soft, beta, ignore_index, temperature)  # read z, y; write dz over z
+        jsd_rows(z[:, :n_vocab], y[:, :n_vocab] if soft else None, t[start:end] if t is not None else None,
+                 loss_rows[start:end], counts, any_grad, weight_hard, weight_soft, beta, ignore_index,
+                 temperature)  # read z, y; write dz over z
         if need_dh:
             torch.mm(z, s_weight, out=d_hidden[start:end])
         if need_dw:
@@ -329,8 +334,8 @@ def _jsd_launch(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, 
     return (
         loss_rows.sum(),
         d_hidden.view(s_hidden.shape) if need_dh else s_hidden.new_empty(0),
-        d_weight.to(s_weight.dtype) if need_dw else s_hidden.new_empty(0),
-        d_bias.to(s_bias.dtype) if need_db else s_hidden.new_empty(0),
+        d_weight[:n_vocab].to(s_weight.dtype) if need_dw else s_hidden.new_empty(0),
+        d_bias[:n_vocab].to(s_bias.dtype) if need_db else s_hidden.new_empty(0),
     )
 
 

@@ -48,7 +48,7 @@ from onepass.ops.dispatch import (
     row_settings,
     use_triton,
 )
-from onepass.ops.gemm import accumulate_mm
+from onepass.ops.gemm import accumulate_mm, aligned_head
 from onepass.ops.linear_cross_entropy import chunk_tokens
 
 # loss_of(rows, logps, ref_logps) -> the loss's share of these rows: rows a LongTensor of batch
@@ -152,8 +152,9 @@ def _logit_grad(z: Tensor, t: Tensor, lse: Tensor, g: Tensor | None, ignore_inde
 
 
 def _logps_rows(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, t: Tensor, temperature: float,
-                ignore_index: int, counts: Tensor):
-    """The chunk's logits into ``buf``, their logps (0 where ignored) and logsumexps."""
+                ignore_index: int, counts: Tensor, n_vocab: int):
+    """The chunk's logits into ``buf`` (over the head's padded vocabulary: gemm.aligned_head), their
+    logps (0 where ignored) and logsumexps over the first ``n_vocab``."""
     n = h.shape[0]
     z = buf[:n]
     if bias is None:
@@ -163,7 +164,7 @@ def _logps_rows(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, t: 
     nll = torch.empty(n, dtype=torch.float32, device=h.device)
     lse = torch.empty(n, dtype=torch.float32, device=h.device)
     one = torch.ones((), dtype=torch.float32, device=h.device)
-    ce_rows(z, t, None, nll, lse, None, counts, one, ignore_index, "none", 0.0, 0.0, None, False)
+    ce_rows(z[:, :n_vocab], t, None, nll, lse, None, counts, one, ignore_index, "none", 0.0, 0.0, None, False)
     return z, -nll, lse
 
 
@@ -180,11 +181,17 @@ def _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ign
     sums = torch.zeros(batch, dtype=torch.float32, device=dev)
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     d_hidden = torch.zeros_like(hidden) if need_dh else None
-    d_weight = torch.empty((n_vocab, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
+    # the GEMMs run over vocabularies padded to a multiple of 8 with zero rows (gemm.aligned_head): the
+    # padded logits stay 0 and are no token's, so they add nothing to dx; their dW / db rows are dropped
+    weight, bias = aligned_head(weight, bias)
+    if ref is not None:
+        ref = (ref[0], *aligned_head(ref[1], ref[2]))
+    padded = weight.shape[0]
+    d_weight = torch.empty((padded, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
     dw_started = False
-    d_bias = torch.zeros(n_vocab, dtype=torch.float32, device=dev) if need_db else None
+    d_bias = torch.zeros(padded, dtype=torch.float32, device=dev) if need_db else None
     most = max(len(r) for r, _ in chunks) * seq
-    buf = torch.empty((most, n_vocab), dtype=hidden.dtype, device=dev)
+    buf = torch.empty((most, padded), dtype=hidden.dtype, device=dev)
     inv_t = 1.0 / temperature
     for rows, span in chunks:
         t = _gather(target, rows, span).reshape(-1)
@@ -193,12 +200,12 @@ def _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ign
             ref_hidden, ref_weight, ref_bias = ref
             rh = _gather(ref_hidden, rows, span).reshape(-1, ref_hidden.shape[-1])
             rh = rh * inv_t if temperature != 1 else rh
-            ref_c = _logps_rows(buf, rh, ref_weight, ref_bias, t, temperature, ignore_index, counts)[1]
+            ref_c = _logps_rows(buf, rh, ref_weight, ref_bias, t, temperature, ignore_index, counts, n_vocab)[1]
             ref_c = ref_c.view(len(rows), seq)
             ref_logps.index_copy_(0, rows, ref_c)
         h = _gather(hidden, rows, span).reshape(-1, n_hidden)
         h = h * inv_t if temperature != 1 else h
-        z, lp, lse = _logps_rows(buf, h, weight, bias, t, temperature, ignore_index, counts)
+        z, lp, lse = _logps_rows(buf, h, weight, bias, t, temperature, ignore_index, counts, n_vocab)
         lp = lp.view(len(rows), seq)
         logps.index_copy_(0, rows, lp)
         with torch.enable_grad():
@@ -207,7 +214,8 @@ def _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ign
             (g,) = torch.autograd.grad(share, leaf, allow_unused=True) if share.requires_grad else (None,)
         loss += share.detach()
         grads = (need_dh or need_dw or need_db) and g is not None
-        row_sums = _logit_grad(z, t, lse, g.reshape(-1).float().contiguous() if grads else None, ignore_index)
+        g_rows = g.reshape(-1).float().contiguous() if grads else None
+        row_sums = _logit_grad(z[:, :n_vocab], t, lse, g_rows, ignore_index)
         sums.index_copy_(0, rows, row_sums.view(len(rows), seq).sum(-1) * temperature)  # the untempered logits'
         if not grads:
             continue
@@ -223,8 +231,8 @@ def _engine(hidden, weight, bias, target, ref, chunks, loss_of, temperature, ign
     buf = z = None  # the logits buffer is not held through the cast of the dW accumulator below
     if need_dw and not dw_started:
         d_weight.zero_()
-    d_weight = d_weight.to(weight.dtype) if need_dw else None
-    return loss, logps, ref_logps, sums, d_hidden, d_weight, d_bias.to(bias.dtype) if need_db else None
+    d_weight = d_weight[:n_vocab].to(weight.dtype) if need_dw else None
+    return loss, logps, ref_logps, sums, d_hidden, d_weight, d_bias[:n_vocab].to(bias.dtype) if need_db else None
 
 
 class _SequenceLoss(torch.autograd.Function):
