@@ -3,7 +3,9 @@ Llama-3 head (8192 x 4096 x 128256): default (fp32 accumulator), accum_dtype=bf1
     python benchmarks/lce_accumulation_error.py"""
 import torch
 import torch.nn.functional as F
+
 from onepass import ops
+
 g = torch.Generator(device="cuda").manual_seed(0)
 h = torch.randn(8192, 4096, device="cuda", generator=g).to(torch.bfloat16)
 w = (torch.randn(128256, 4096, device="cuda", generator=g) / 64).to(torch.bfloat16)
