@@ -108,6 +108,24 @@ def _decode_rows(*features: int):
     return make
 
 
+def _sequences(device, big):
+    """Hidden states and head of a policy and of a reference model, then targets: 4 chosen then 4 rejected
+    sequences of 1024 tokens at a Llama-3-8B head at benchmark size."""
+    (b, s, h, v), dtype = ((8, 1024, 4096, 128256), torch.bfloat16) if big else ((4, 6, 32, 300), torch.float32)
+    target = torch.randint(0, v, (b, s), device=device)
+    target[:, :2] = -100  # the prompts
+    return (torch.randn(b, s, h, device=device, dtype=dtype), torch.randn(v, h, device=device, dtype=dtype) / h**0.5,
+            torch.randn(b, s, h, device=device, dtype=dtype), torch.randn(v, h, device=device, dtype=dtype) / h**0.5,
+            target)
+
+
+def _completions(device, big):
+    """_sequences' tensors, the completions' mask and their advantages (GRPO)."""
+    hidden, weight, ref_hidden, ref_weight, target = _sequences(device, big)
+    return (hidden, weight, ref_hidden, ref_weight, target.clamp(min=0), (target >= 0).to(hidden.dtype),
+            torch.randn(target.shape[0], device=device))
+
+
 def _adamw(m, p, g, exp_avg, exp_avg_sq):
     """One step on copies (the op updates in place); returns the new parameter and moments."""
     p, exp_avg, exp_avg_sq = p.clone(), exp_avg.clone(), exp_avg_sq.abs()
@@ -139,6 +157,22 @@ CHECKS = [
     Check("decode_gated_linear", "decode_linear", _decode_rows(8192, 8192),
           lambda m, x, g, u: m.decode_gated_linear(x, g, u), n_grad=0),
     Check("adamw_step", "optim", _rows(4, 4096), _adamw, n_grad=0),
+    Check("linear_dpo_loss", "post_training", _sequences,
+          lambda m, h, w, rh, rw, t: m.linear_dpo_loss(h, w, t, None, rh, rw, beta=0.5)[0], n_grad=2),
+    Check("linear_orpo_loss", "post_training", _sequences,
+          lambda m, h, w, rh, rw, t: m.linear_orpo_loss(h, w, t)[0], n_grad=2),
+    Check("linear_simpo_loss", "post_training", _sequences,
+          lambda m, h, w, rh, rw, t: m.linear_simpo_loss(h, w, t)[0], n_grad=2),
+    Check("linear_cpo_loss", "post_training", _sequences,
+          lambda m, h, w, rh, rw, t: m.linear_cpo_loss(h, w, t)[0], n_grad=2),
+    Check("linear_kto_loss", "post_training", _sequences,
+          lambda m, h, w, rh, rw, t: m.linear_kto_loss(h, w, t, torch.arange(t.shape[0]) % 2 == 0, None, rh, rw,
+                                                       kl=0.2)[0], n_grad=2),
+    Check("linear_grpo_loss", "post_training", _completions,
+          lambda m, h, w, rh, rw, ids, mask, adv: m.linear_grpo_loss(h, w, ids, mask, adv, ref_hidden=rh,
+                                                                     ref_weight=rw)[0], n_grad=2),
+    Check("linear_jsd_loss", "distillation", _sequences,
+          lambda m, h, w, th, tw, t: m.linear_jsd_loss(h, w, th, tw, t), n_grad=2),
 ]
 
 

@@ -56,15 +56,26 @@ from onepass.ops.linear_cross_entropy import chunk_tokens
 LossOf = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 
 
+def _plain_float64(t: Tensor | None) -> bool:
+    """float64 where the plain definition runs (reference mode, onepass.reference): checked as float32."""
+    return isinstance(t, Tensor) and t.dtype == torch.float64 and not use_triton(t)
+
+
+def _checked(t: Tensor | None) -> Tensor | None:
+    """What the dtype checks see: a float32 stand-in (shape only) for a plain float64 tensor."""
+    return torch.empty(t.shape, dtype=torch.float32, device="meta") if _plain_float64(t) else t
+
+
 def check_inputs(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
                  ref: tuple | None = None, name: str = "hidden", target_name: str = "target") -> None:
     """hidden [B, S, H] and target [B, S] (int) with weight [V, H] and bias [V]; the reference
     model's (ref_hidden, ref_weight, ref_bias) alike and of the same [B, S]."""
-    check_float(name, hidden)
-    check_float("weight", weight)
+    hidden_, weight_, bias_ = _checked(hidden), _checked(weight), _checked(bias)
+    check_float(name, hidden_)
+    check_float("weight", weight_)
     if hidden.dim() != 3:
         raise ValueError(f"{name} must be [batch, seq, hidden], got shape {tuple(hidden.shape)}")
-    check_linear(name, hidden, "weight", weight, "bias", bias, out_name="vocab")
+    check_linear(name, hidden_, "weight", weight_, "bias", bias_, out_name="vocab")
     if not isinstance(target, Tensor) or target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{target_name} must be an int64 or int32 tensor of token ids")
     if target.shape != hidden.shape[:2]:
@@ -77,9 +88,11 @@ def check_inputs(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | 
         ref_hidden, ref_weight, ref_bias = ref
         if ref_hidden is None or ref_weight is None:
             raise ValueError("a reference model needs both ref_hidden and ref_weight")
-        check_float("ref_hidden", ref_hidden)
-        check_float("ref_weight", ref_weight)
-        check_linear("ref_hidden", ref_hidden, "ref_weight", ref_weight, "ref_bias", ref_bias, out_name="vocab")
+        ref_hidden_, ref_weight_ = _checked(ref_hidden), _checked(ref_weight)
+        check_float("ref_hidden", ref_hidden_)
+        check_float("ref_weight", ref_weight_)
+        check_linear("ref_hidden", ref_hidden_, "ref_weight", ref_weight_, "ref_bias", _checked(ref_bias),
+                     out_name="vocab")
         if ref_hidden.shape[:2] != hidden.shape[:2] or ref_weight.shape[0] != weight.shape[0]:
             raise ValueError(f"ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)} must "
                              f"match {name}'s batch and sequence {tuple(hidden.shape[:2])} and the vocab "
@@ -256,9 +269,9 @@ class _SequenceLoss(torch.autograd.Function):
 
 
 def _reference(hidden, weight, bias, target, ref, loss_of, temperature, ignore_index):
-    """The plain PyTorch definition: the whole batch's logits, float32 log-softmax, autograd."""
+    """The plain PyTorch definition: the whole batch's logits, a float32 (or float64) log-softmax, autograd."""
     def logps_of(h, w, b):
-        z = F.linear(h, w, b).float() / temperature
+        z = F.linear(h, w, b).to(torch.promote_types(h.dtype, torch.float32)) / temperature
         ok = target != ignore_index
         lp = z.log_softmax(-1).gather(-1, torch.where(ok, target, 0).long().unsqueeze(-1)).squeeze(-1)
         return torch.where(ok, lp, 0.0), z.sum(-1).sum(-1) * temperature

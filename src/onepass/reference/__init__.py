@@ -14,12 +14,21 @@ from onepass.reference.loss import cross_entropy, linear_cross_entropy, logsumex
 from onepass.reference.moe import moe_experts
 from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.reference.optim import adamw_step
+from onepass.reference.post_training import (
+    linear_cpo_loss,
+    linear_dpo_loss,
+    linear_grpo_loss,
+    linear_kto_loss,
+    linear_orpo_loss,
+    linear_simpo_loss,
+)
 from onepass.reference.rope import rope
 from onepass.reference.softmax import softmax
 
 __all__ = [
     "adamw_step", "add_layer_norm", "add_rms_norm", "attention", "bias_gelu", "cross_entropy", "decode_attention",
     "decode_gated_linear", "decode_linear", "geglu", "gelu", "generalized_jsd", "layer_norm", "linear_cross_entropy",
-    "linear_jsd_loss", "logsumexp_argmax",
+    "linear_cpo_loss", "linear_dpo_loss", "linear_grpo_loss", "linear_jsd_loss", "linear_kto_loss",
+    "linear_orpo_loss", "linear_simpo_loss", "logsumexp_argmax",
     "lora_linear", "moe_experts", "rms_norm", "rope", "softmax", "swiglu",
 ]
