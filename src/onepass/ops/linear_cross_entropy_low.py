@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops.cross_entropy import _capped, _fold, _write_grad, count_targets
+from onepass.ops.cross_entropy import _capped, _fold, _write_grad, count_targets, reduce_loss
 from onepass.ops.dispatch import first_order_only, flat, launch, row_settings
 from onepass.ops.gemm import accumulate_mm
 
@@ -109,12 +109,12 @@ def _logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0: int
 @torch.library.custom_op("onepass::linear_cross_entropy_low_fwd", mutates_args=())
 def _low_fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
              label_smoothing: float, z_loss: float, softcap: Optional[float], return_pred: bool
-             ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token (loss rows, lse) in float32, and the argmax if asked."""
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token (loss rows, lse) in float32, the argmax if asked, and count_targets' counts."""
     n_vocab, n_hidden = weight.shape
     h2, t = hidden.reshape(-1, n_hidden), flat(target)
     n, dev = t.numel(), hidden.device
-    count_targets(t, n_vocab, ignore_index)  # raises (CPU) or asserts (GPU) on a target outside [0, V)
+    counts = count_targets(t, n_vocab, ignore_index)  # raises (CPU) or asserts (GPU) on a target outside [0, V)
     m = torch.full((n,), -3.0e38, dtype=torch.float32, device=dev)
     s, z_sum, z_t = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
     arg = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -133,14 +133,14 @@ def _low_fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     loss = lse - (1.0 - label_smoothing) * z_t - label_smoothing * z_sum / n_vocab + z_loss * lse * lse
     loss = torch.where(t != ignore_index, loss, 0.0)
     pred = torch.where(first_nan < 2**31 - 1, first_nan, arg).long() if return_pred else arg.new_empty(0).long()
-    return loss, lse, pred
+    return loss, lse, pred, counts
 
 
 @_low_fwd.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, return_pred):
     n = target.numel()
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
-            hidden.new_empty(n if return_pred else 0, dtype=torch.int64))
+            hidden.new_empty(n if return_pred else 0, dtype=torch.int64), hidden.new_empty(2, dtype=torch.int32))
 
 
 @torch.library.custom_op("onepass::linear_cross_entropy_low_bwd", mutates_args=())
@@ -187,14 +187,14 @@ def _(scale, hidden, weight, target, bias, lse, label_smoothing, z_loss, softcap
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, _ = inputs
-    _, lse, pred = output
-    ctx.mark_non_differentiable(lse, pred)
+    _, lse, pred, counts = output
+    ctx.mark_non_differentiable(lse, pred, counts)
     ctx.save_for_backward(hidden, weight, target, bias, lse)
     ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
 
 
-def _backward(ctx, d_loss_rows, _dlse, _dpred):
+def _backward(ctx, d_loss_rows, _dlse, _dpred, _dcounts):
     first_order_only("linear_cross_entropy")
     hidden, weight, target, bias, lse = ctx.saved_tensors
     ignore_index, label_smoothing, z_loss, softcap = ctx.options
@@ -212,12 +212,7 @@ def low_memory_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor
                     reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, return_pred: bool,
                     loss_dtype: torch.dtype):
     """(loss, lse, pred) of linear_cross_entropy's memory="low" (the checks done by the caller)."""
-    rows, lse, pred = _low_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-                               return_pred)
-    if reduction == "none":
-        loss = rows.view(target.shape)
-    else:
-        loss = rows.sum()
-        if reduction == "mean":
-            loss = loss / (flat(target) != ignore_index).sum()
-    return loss.to(loss_dtype), lse.view(target.shape), pred.view(target.shape) if return_pred else pred
+    rows, lse, pred, counts = _low_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+                                       return_pred)
+    loss = reduce_loss(rows, counts, reduction, target.shape, loss_dtype)
+    return loss, lse.view(target.shape), pred.view(target.shape) if return_pred else pred
