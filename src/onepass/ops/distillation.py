@@ -76,7 +76,7 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     use_triton,
 )
-from onepass.ops.gemm import accumulate_mm, aligned_head
+from onepass.ops.gemm import aligned_head, backprop_head_chunk
 from onepass.ops.linear_cross_entropy import chunk_tokens
 
 # Which divergence: beta = 0, beta = 1, or the mixture in between.
@@ -324,12 +324,8 @@ def _jsd_launch(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, 
         jsd_rows(z[:, :n_vocab], y[:, :n_vocab] if soft else None, t[start:end] if t is not None else None,
                  loss_rows[start:end], counts, any_grad, weight_hard, weight_soft, beta, ignore_index,
                  temperature)  # read z, y; write dz over z
-        if need_dh:
-            torch.mm(z, s_weight, out=d_hidden[start:end])
-        if need_dw:
-            accumulate_mm(d_weight, z.t(), h_c, beta=int(start > 0))
-        if need_db:
-            d_bias += z.sum(0, dtype=torch.float32)
+        backprop_head_chunk(z, h_c, s_weight, d_hidden[start:end] if need_dh else None, d_weight, d_bias,
+                            start == 0)
     z_buf = y_buf = z = y = None  # the logits buffers are not held through the cast of the dW accumulator below
     return (
         loss_rows.sum(),

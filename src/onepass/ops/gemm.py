@@ -30,3 +30,16 @@ def aligned_head(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | 
         return weight, bias
     return (torch.cat([weight, weight.new_zeros(pad, weight.shape[1])]),
             None if bias is None else torch.cat([bias, bias.new_zeros(pad)]))
+
+
+def backprop_head_chunk(dz: Tensor, hidden: Tensor, weight: Tensor, d_hidden: Tensor | None, d_weight: Tensor | None,
+                        d_bias: Tensor | None, first: bool) -> None:
+    """A token chunk's logits gradient dz [C, V] through the LM head: d_hidden (the chunk's rows) = dz W
+    (complete: the GEMM sums over V), d_weight += dz^T x (overwritten by the first chunk: no memset),
+    d_bias += the sum of dz over the chunk; the ones given as None are not computed."""
+    if d_hidden is not None:
+        torch.mm(dz, weight, out=d_hidden)
+    if d_weight is not None:
+        accumulate_mm(d_weight, dz.t(), hidden, beta=int(not first))
+    if d_bias is not None:
+        d_bias += dz.sum(0, dtype=torch.float32)

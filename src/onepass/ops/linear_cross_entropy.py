@@ -64,7 +64,7 @@ from onepass.ops.dispatch import (
     is_int,
     use_triton,
 )
-from onepass.ops.gemm import accumulate_mm, aligned_head
+from onepass.ops.gemm import aligned_head, backprop_head_chunk
 from onepass.ops.linear_cross_entropy_low import low_memory_loss
 
 MEMORY_MODES = ("default", "low")
@@ -125,12 +125,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
                 lse[start:end], pred[start:end] if return_pred else None, counts,
                 scale[start:end] if scale.dim() else scale, ignore_index, reduction, label_smoothing, z_loss, softcap,
                 all_rows)  # read z, write dz over it
-        if need_dh:
-            torch.mm(z, weight, out=d_hidden[start:end])
-        if need_dw:
-            accumulate_mm(d_weight, z.t(), h_c, beta=int(start > 0))
-        if need_db:
-            d_bias += z.sum(0, dtype=torch.float32)
+        backprop_head_chunk(z, h_c, weight, d_hidden[start:end] if need_dh else None, d_weight, d_bias, start == 0)
     buf = z = None  # the logits buffer is not held through the cast of the dW accumulator below
     loss = reduce_loss(loss_rows, counts, reduction, target.shape, loss_dtype)
     return (
