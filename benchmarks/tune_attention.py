@@ -1,0 +1,122 @@
+"""Sweep attention's launch settings at the issue's shapes on a GPU, beside SDPA's cuDNN and flash backends.
+
+    python benchmarks/tune_attention.py [preset ...]     (presets: d64 d128 d128-causal d256; default all)
+
+For each preset: SDPA (flash, cuDNN) and onepass, forward and forward+backward, TFLOP/s (fwd+bwd
+counted as 3.5x the forward's FLOPs); then each forward, dK/dV and dQ setting in turn (the others at
+their defaults) with the time of the kernel it changes. ops/attention.py's CONFIGS cite the result.
+"""
+
+import sys
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from onepass import ops
+
+attention_module = sys.modules["onepass.ops.attention"]  # onepass.ops.attention is the function
+
+# name: (batch, q heads, kv heads, sequence, head dim, causal); the issue's rows (Llama-3.2-1B, Gemma 2, Qwen2-7B)
+PRESETS = {
+    "d64": (8, 32, 8, 2048, 64, True),
+    "d128": (2, 32, 8, 8192, 128, False),
+    "d128-causal": (1, 28, 4, 16384, 128, True),
+    "d256": (2, 8, 4, 8192, 256, True),
+}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and head dim
+SETTINGS = {
+    64: {
+        "fwd": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+        "dkdv": [(32, 128, 4, 3), (32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 4)],
+        "dq": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3)],
+    },
+    128: {
+        "fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+                (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4), (128, 128, 16, 2)],
+        "dkdv": [(32, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+                 (32, 128, 4, 3), (16, 128, 8, 3), (64, 32, 4, 3), (32, 64, 4, 4), (128, 64, 8, 2)],
+        "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 3),
+               (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 4)],
+    },
+    256: {
+        "fwd": [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 1),
+                (64, 64, 8, 3), (128, 32, 4, 2), (64, 128, 8, 2), (128, 64, 16, 2), (128, 32, 8, 3)],
+        "dkdv": [(16, 64, 8, 2), (32, 64, 8, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2),
+                 (16, 128, 8, 2), (32, 128, 8, 1), (64, 64, 8, 1), (32, 64, 8, 1), (64, 128, 8, 1)],
+        "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2),
+               (32, 64, 4, 2), (128, 64, 8, 1), (128, 32, 8, 1)],
+    },
+}
+KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "dkdv", "dq": "dq_kernel"}
+
+
+def kernel_us(step, steps=5) -> dict[str, float]:
+    """Each GPU kernel's time in one step, microseconds, by kernel name."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            times[e.key] += e.device_time_total / steps
+    return dict(times)
+
+
+def run_preset(name):
+    batch, hq, hk, seq, dim, causal = PRESETS[name]
+    q = torch.randn(batch, hq, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, hk, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    g = torch.randn_like(q)
+    flops = 4 * batch * hq * seq * seq * dim / (2 if causal else 1)
+
+    def fwd_bwd(fn):
+        def step():
+            q.grad = k.grad = v.grad = None
+            fn().backward(g)
+
+        return step
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+        return run
+
+    def ours():
+        return ops.attention(q, k, v, causal=causal)
+
+    print(f"\n== {name}: B{batch} S{seq} {hq}/{hk} heads, head dim {dim}, {'causal' if causal else 'full'}, bf16")
+    for label, fn in (("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
+                      ("onepass", ours)):
+        try:
+            fwd_ms = do_bench(fn, return_mode="median")
+            both_ms = do_bench(fwd_bwd(fn), return_mode="median")
+            print(f"{label:<11} fwd {fwd_ms:7.3f} ms {flops / fwd_ms / 1e9:6.0f} TFLOP/s   fwd+bwd {both_ms:7.3f} ms "
+                  f"{3.5 * flops / both_ms / 1e9:6.0f} TFLOP/s")
+        except RuntimeError as e:
+            print(f"{label:<11} failed: {str(e)[:100]}")
+    for kernel, settings in SETTINGS[dim].items():
+        default = attention_module.CONFIGS[kernel][dim]
+        for setting in settings:
+            attention_module.CONFIGS[kernel][dim] = setting
+            try:
+                us = sum(t for n, t in kernel_us(fwd_bwd(ours)).items() if KERNEL_NAMES[kernel] in n)
+                mark = " (default)" if setting == default else ""
+                print(f"{kernel:<5} {setting}: {us:8.1f} us{mark}", flush=True)
+            except Exception as e:  # over the shared-memory or register limit
+                print(f"{kernel:<5} {setting}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+        attention_module.CONFIGS[kernel][dim] = default
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), torch.__version__)
+    for preset in sys.argv[1:] or list(PRESETS):
+        run_preset(preset)
