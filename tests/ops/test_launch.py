@@ -52,3 +52,52 @@ def test_device_setting_follows_the_gpu_name(monkeypatch):
         assert ce_settings(128256, True, cuda) == want
         assert ce_settings(128256, False, cuda) == ce_settings(128256, False)  # forward only: one setting
     assert ce_settings(128256, True, torch.device("cpu")) == ce_settings(128256) == (CE_MAX_BLOCK, CE_MAX_WARPS)
+
+
+# Traces the registered RMSNorm op, forward and backward, as torch.compile's AOTAutograd does
+# (functionalized, on fake tensors), and prints each graph it hands the compiler.
+_TRACE_NORM = """
+import torch
+from torch._functorch.aot_autograd import aot_function
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import onepass.ops.norm  # noqa: F401  (registers onepass::norm_fwd and onepass::norm_bwd)
+
+graphs = []
+
+
+def capture(gm, _):
+    graphs.append(gm.code)
+    return gm
+
+
+def norm(x, w):
+    return torch.ops.onepass.norm_fwd(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)[0]
+
+
+with FakeTensorMode():
+    x = torch.randn(8, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    aot_function(norm, fw_compiler=capture, bw_compiler=capture)(x, w).sum().backward()
+print("\\n#####\\n".join(graphs))
+"""
+
+
+def test_compiled_graph_launches_the_kernels_itself():
+    """Under torch.compile a registered op is traced into (a triton_op): the graphs AOTAutograd
+    hands Inductor hold the norm's kernel launches, not an opaque onepass.norm_fwd / norm_bwd
+    whose Python launcher would run at every call. Run without Triton's interpreter (a child
+    process), whose kernels no graph can hold: only tracing happens, on fake tensors, so no GPU
+    is needed (Triton's analysis of what the kernels write then assumes every argument)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _TRACE_NORM], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    graphs = run.stdout.split("#####")
+    assert len(graphs) == 2, run.stdout  # the forward and the backward
+    for graph in graphs:
+        assert "triton_kernel_wrapper" in graph, graph
+        assert "onepass" not in graph, graph

@@ -1,9 +1,17 @@
-"""What every op shares: where it runs, input checks, and launch settings.
+"""What every op shares: where it runs, input checks, launch settings, and how an op is registered.
 
 Dispatch rule, the one every op follows (``route``): CUDA tensors run the Triton kernels; CPU tensors
 run the plain PyTorch reference, unless ``TRITON_INTERPRET=1`` is set, in which case
 the Triton kernels themselves run on the CPU through Triton's interpreter (how CI
 checks them).
+
+Registration, the one recipe every op follows (``triton_op``): an op's registered body is its
+launcher, whose kernels all go through ``launch``. The op is a ``torch.library.triton_op``, so under
+torch.compile AOTAutograd traces the body (its fake implementation too: no ``register_fake``) and
+each ``launch`` becomes a ``triton_kernel_wrapper`` node that Inductor launches from its own
+generated code: no onepass Python runs per call of a compiled model. A body must therefore trace
+under fake tensors: torch ops, Python on shapes, dtypes and devices, and ``launch`` only (no
+``.item()``, no ``data_ptr()``).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.library import wrap_triton
 from triton import knobs
 from triton.runtime import driver
 
@@ -254,7 +263,17 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     benchmarks/host_overhead.py; no committed table yet). The first call of each
     specialization, the interpreter, and runs with Triton launch hooks set (profilers such
     as proton) take Triton's own path.
+
+    While anything traces the call (``tracing``: fake tensors, or the functional tensors
+    AOTAutograd passes a ``triton_op``'s body), the launch goes through ``wrap_triton``: a
+    ``triton_kernel_wrapper`` node in the traced graph, which Inductor launches itself. Under
+    Triton's interpreter a traced launch does nothing: its kernels are Python functions that no
+    graph can hold, which is why ``triton_op`` keeps the op opaque there.
     """
+    if tracing(args[0]):
+        if not interpreting():
+            wrap_triton(kernel)[grid](*args, **meta)
+        return
     if interpreting() or _launch_hooks_set():
         kernel[grid](*args, **meta)
         return
@@ -320,17 +339,42 @@ def first_order_only(op: str) -> None:
 
 
 def tracing(t: torch.Tensor) -> bool:
-    """Whether anything traces the call that ``t`` feeds (torch.compile, AOT autograd, fake tensors)."""
+    """Whether anything traces the call that ``t`` feeds (torch.compile, AOT autograd, fake tensors).
+
+    Dynamo's and AOTAutograd's fake tensors are ``FakeTensor``s; AOTAutograd's functionalization
+    passes a ``triton_op``'s body ``FunctionalTensor``s wrapping them, which ``is_fake`` sees through."""
     return torch.compiler.is_compiling() or (type(t) is not torch.Tensor and is_fake(t))
+
+
+def triton_op(name: str, *, mutates_args=()):
+    """Register a launcher as the op ``name``: ``torch.library.triton_op(name, mutates_args=...)``.
+
+    The body (the launcher) is also the op's fake implementation, and under torch.compile
+    AOTAutograd decomposes the op into the body's torch ops and kernel launches (``launch``),
+    which Inductor launches itself. Under Triton's interpreter the same body is registered as a
+    ``custom_op`` with itself as the fake implementation: the interpreter's kernels cannot enter
+    a graph (``wrap_triton`` hands them back unwrapped), so the op stays opaque there and runs its
+    launcher at each call of a compiled function, as every op did before.
+    """
+    if not interpreting():
+        return torch.library.triton_op(name, mutates_args=mutates_args)
+
+    def register(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        op.register_fake(fn)
+        return op
+
+    return register
 
 
 def route(op, launch, *tensors: torch.Tensor | None, autograd=None):
     """Which of an op's three equivalent entry points serves this call.
 
-    The registered op while anything traces (``tracing``: it stays opaque and has a fake
-    implementation); ``autograd`` (from ``eager_autograd``)
-    when a gradient will flow back through ``tensors``; else the bare launcher, whose host
-    cost is the Triton launch alone (benchmarks/host_overhead.py compares the three).
+    The registered op while anything traces (``tracing``): a ``triton_op`` (see ``triton_op``) that
+    AOTAutograd traces into, so a compiled graph holds the op's kernel launches, which Inductor
+    makes itself; ``autograd`` (from ``eager_autograd``) when a gradient will flow back through
+    ``tensors``; else the bare launcher, whose host cost is the Triton launch alone
+    (benchmarks/host_overhead.py compares the three).
     """
     if tracing(next(t for t in tensors if t is not None)):
         return op

@@ -59,6 +59,7 @@ from onepass.ops.dispatch import (
     registered_outputs,
     route,
     row_settings,
+    triton_op,
     use_triton,
 )
 from onepass.ops.partials import sum_partials
@@ -384,7 +385,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::norm_fwd", mutates_args=())
+@triton_op("onepass::norm_fwd", mutates_args=())
 def _norm_fwd(
     x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
     eps: float, dropout_p: float, seed: int, is_rms: bool, out_dtype: torch.dtype,
@@ -393,15 +394,7 @@ def _norm_fwd(
     return registered_outputs(_norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype), x)
 
 
-@_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    h = torch.empty_like(x, dtype=residual.dtype) if residual is not None else x.new_empty(0)
-    mean = x.new_empty(0) if is_rms else x.new_empty(rows, dtype=torch.float32)
-    return torch.empty_like(x, dtype=out_dtype), h, mean, x.new_empty(rows, dtype=torch.float32)
-
-
-@torch.library.custom_op("onepass::norm_bwd", mutates_args=())
+@triton_op("onepass::norm_bwd", mutates_args=())
 def _norm_bwd(
     dy: Tensor, dh_out: Optional[Tensor], h: Tensor, weight: Optional[Tensor], bias_dtype: Optional[torch.dtype],
     mean: Tensor, rstd: Tensor, dropout_p: float, seed: int, is_rms: bool, x_dtype: torch.dtype, has_residual: bool,
@@ -412,15 +405,6 @@ def _norm_bwd(
     empty where there is no weight or bias."""
     return registered_outputs(_norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, seed,
                                                is_rms, x_dtype, has_residual, leaves), h)
-
-
-@_norm_bwd.register_fake
-def _(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual, leaves):
-    write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
-    dx = torch.empty_like(h, dtype=x_dtype) if write_dx else h.new_empty(0)
-    dw = weight.new_empty(weight.shape) if weight is not None else h.new_empty(0)
-    db = h.new_empty(h.shape[-1], dtype=bias_dtype) if bias_dtype is not None else h.new_empty(0)
-    return torch.empty_like(h), dx, dw, db
 
 
 def _setup_context(ctx, inputs, output):
