@@ -211,7 +211,7 @@ def breakdown(model, name: str, batch: int, cache: int, steps: int, copy_gbps: f
 def report(r: dict, copy_gbps: float) -> str:
     step_us = r["wall_ms"] * 1e3
     lines = [f"== {r['model']}, batch {r['batch']}, cache {r['cache']} + {r['steps']} steps; profiled: {r['profiled']}",
-             f"step (wall, graph replay, no profiler) {step_us:8.1f} us   floor {r['floor_ms'] * 1e3:8.1f} us "
+             f"step (wall time, no profiler) {step_us:8.1f} us   floor {r['floor_ms'] * 1e3:8.1f} us "
              f"({100 * r['floor_frac']:.0f}% of floor); the categories' own floors sum to "
              f"{sum(v['floor_us'] for v in r['categories'].values()):.1f} us (not in them: an untied model's input "
              "embedding, of which a step reads one row)",
