@@ -1,41 +1,39 @@
-"""Host time of an onepass op called inside a torch.compile'd graph, by how it is registered.
+"""What onepass costs the host inside a torch.compile'd graph, now that its ops are triton_ops.
 
     python benchmarks/compiled_op_overhead.py
 
-A chain of 32 RMSNorm forwards on 64 x 2048 bf16 (host-bound), compiled with Inductor:
-onepass's op as registered now (an opaque ``torch.library.custom_op``, whose Python launcher
-runs at every call), the same kernel registered as a ``torch.library.triton_op`` (Inductor
-traces the body and launches the kernel itself), Inductor's own kernel for the reference, and
-the eager calls for comparison. The GPU is kept busy by a sleep kernel, so only the host is
-timed. Results: benchmarks/results/h200/compiled_op_overhead.log.
+1. A chain of 32 RMSNorm forwards on 64 x 2048 bf16 (host-bound): host time a call of
+   ``ops.rms_norm`` compiled with Inductor (its registered op is a ``torch.library.triton_op``:
+   Inductor traces the body and launches the kernel from its own generated code), against
+   Inductor's own kernel (``reference.rms_norm`` compiled) and the eager calls. The GPU is kept
+   busy by a sleep kernel, so only the host is timed.
+2. Python frames of the onepass package run per compiled call (``sys.setprofile`` over the
+   calls): 0 when Inductor launches every kernel itself, for the chain and for a compiled
+   ``onepass.optimize``'d model forward (ops that are still opaque custom_ops show up there).
+3. A Llama-3.2-1B-shaped forward (random weights, bf16, 1 x 1024 tokens, no grad): median ms
+   (``triton.testing.do_bench``) of torch.compile of the model as built against torch.compile of
+   ``onepass.optimize(model)``; default mode, no CUDA graphs.
+
+Needs a CUDA GPU; without one it only checks that it imports and stops.
+Results: benchmarks/results/h200/compiled_op_overhead.log.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import sys
 import time
+import warnings
 
 import torch
-from torch.library import triton_op, wrap_triton
 
+import onepass
 from onepass import ops, reference
-from onepass.ops import norm
-from onepass.ops.dispatch import row_settings
+from onepass.models import configs
 
 CALLS = 32
-
-
-@triton_op("onepass_bench::rms_norm", mutates_args=())
-def _rms_norm_traceable(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    y = torch.empty_like(x2)
-    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    block, num_warps = row_settings(n, values_per_thread=16)
-    wrap_triton(norm._norm_fwd_kernel)[(x2.shape[0],)](
-        x2, x2, weight, x2, y, y, rstd, rstd, x2.stride(0), x2.stride(0), y.stride(0), y.stride(0),
-        n, eps, 0.0, 0, IS_RMS=True, HAS_RESIDUAL=False, HAS_DROPOUT=False, HAS_WEIGHT=True, HAS_BIAS=False,
-        BLOCK_N=block, ONE_BLOCK=n <= block, num_warps=num_warps)
-    return y.view(x.shape)
+ONEPASS_DIR = os.path.dirname(onepass.__file__)
 
 
 def _chain(op):
@@ -60,7 +58,28 @@ def host_us_a_call(fn, x, w, repeats=30) -> float:
     return us
 
 
-def main():
+def onepass_frames_a_call(fn, *args, calls=10) -> float:
+    """Python frames whose code lives in the onepass package, run per call of ``fn`` (after a warm-up)."""
+    fn(*args)
+    torch.cuda.synchronize()
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call" and frame.f_code.co_filename.startswith(ONEPASS_DIR):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(calls):
+            fn(*args)
+    finally:
+        sys.setprofile(None)
+    torch.cuda.synchronize()
+    return count / calls
+
+
+def rms_norm_chain():
     x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
     registered = torch.ops.onepass.norm_fwd
@@ -68,22 +87,58 @@ def main():
     def onepass_registered(x, w):
         return registered(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)[0]
 
+    compiled_onepass = torch.compile(_chain(lambda x, w: ops.rms_norm(x, w, 1e-6)))
     rows = {
         "eager ops.rms_norm (onepass's eager path)": _chain(lambda x, w: ops.rms_norm(x, w, 1e-6)),
-        "eager registered op (custom_op)": _chain(onepass_registered),
-        "eager triton_op": _chain(lambda x, w: _rms_norm_traceable(x, w, 1e-6)),
+        "eager registered op (triton_op)": _chain(onepass_registered),
         "compiled: Inductor's own kernel (reference)":
             torch.compile(_chain(lambda x, w: reference.rms_norm(x, w, 1e-6))),
-        "compiled: ops.rms_norm (custom_op, now)": torch.compile(_chain(lambda x, w: ops.rms_norm(x, w, 1e-6))),
-        "compiled: triton_op": torch.compile(_chain(lambda x, w: _rms_norm_traceable(x, w, 1e-6))),
+        "compiled: ops.rms_norm (triton_op)": compiled_onepass,
     }
     with torch.no_grad():
         expected = reference.rms_norm(x, w, 1e-6).float()
-        got = torch.compile(lambda a, b: _rms_norm_traceable(a, b, 1e-6))(x, w).float()
-        print(f"{torch.cuda.get_device_name()}; compiled triton_op matches the reference: "
-              f"{torch.allclose(got, expected, atol=2e-2)}")
+        got = torch.compile(lambda a, b: ops.rms_norm(a, b, 1e-6))(x, w).float()
+        print(f"compiled ops.rms_norm matches the reference: {torch.allclose(got, expected, atol=2e-2)}", flush=True)
         for name, fn in rows.items():
-            print(f"{name:<46} {host_us_a_call(fn, x, w):7.1f} us of host time a call")
+            print(f"{name:<46} {host_us_a_call(fn, x, w):7.1f} us of host time a call", flush=True)
+        frames = onepass_frames_a_call(compiled_onepass, x, w) / CALLS
+        print(f"compiled ops.rms_norm: {frames:.1f} onepass Python frames a call (target 0)", flush=True)
+
+
+def llama_forward():
+    from triton.testing import do_bench
+
+    torch.manual_seed(0)
+    model = configs.build("llama-1b", device="cuda", dtype=torch.bfloat16).eval()
+    optimized = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(optimized)
+    ids = torch.randint(0, model.config.vocab_size, (1, 1024), device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        variants = {"torch.compile(model)": torch.compile(model),
+                    "torch.compile(onepass.optimize(model))": torch.compile(optimized)}
+        for name, compiled in variants.items():
+            start = time.perf_counter()
+            out = compiled(ids).logits.float()
+            first = time.perf_counter() - start
+            err = ((out - ref).norm() / ref.norm()).item()
+            ms = do_bench(lambda m=compiled: m(ids), return_mode="median")
+            frames = onepass_frames_a_call(compiled, ids)
+            print(f"Llama-3.2-1B 1 x 1024 bf16 forward, {name:<40} {ms:7.3f} ms (median)  first call {first:5.1f} s  "
+                  f"{frames:6.1f} onepass Python frames a forward  rel. diff vs eager {err:.1e}", flush=True)
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("compiled_op_overhead: no CUDA GPU here; imports checked, nothing measured")
+        return
+    import triton
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    rms_norm_chain()
+    llama_forward()
 
 
 if __name__ == "__main__":

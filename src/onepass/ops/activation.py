@@ -47,6 +47,7 @@ from onepass.ops.dispatch import (
     num_programs_for,
     registered_outputs,
     route,
+    triton_op,
     use_triton,
 )
 from onepass.ops.partials import sum_partials
@@ -249,30 +250,17 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::act_fwd", mutates_args=())
+@triton_op("onepass::act_fwd", mutates_args=())
 def _act_fwd(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int) -> Tensor:
     """act(x + bias) * up; up and bias optional."""
     return _act_fwd_launch(x, up, bias, act)
 
 
-@_act_fwd.register_fake
-def _(x, up, bias, act):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("onepass::act_bwd", mutates_args=())
+@triton_op("onepass::act_bwd", mutates_args=())
 def _act_bwd(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int, write_y: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_up, d_bias, y); d_up, d_bias and y are empty where there is no up, no bias or no write_y."""
     return registered_outputs(_act_bwd_launch(dy, x, up, bias, act, write_y), x)
-
-
-@_act_bwd.register_fake
-def _(dy, x, up, bias, act, write_y):
-    du = torch.empty_like(up) if up is not None else x.new_empty(0)
-    db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-    y = torch.empty_like(x) if write_y else x.new_empty(0)
-    return torch.empty_like(x), du, db, y
 
 
 def _setup_context(ctx, inputs, output):

@@ -95,6 +95,8 @@ def _adamw_launch(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, w
         reference.adamw_step(*map(list, zip(*rest)), lr, beta1, beta2, eps, weight_decay, step)
 
 
+# A custom_op, not a dispatch.triton_op: its launcher addresses the tensors by their data_ptr() (one launch a
+# group of tensors, each found at its offset from the first), which no traced (fake) tensor has.
 @torch.library.custom_op("onepass::adamw_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def _adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:

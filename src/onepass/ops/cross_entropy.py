@@ -70,6 +70,8 @@ from onepass.ops.dispatch import (
     launch,
     next_power_of_2,
     num_programs_for,
+    tracing,
+    triton_op,
     use_triton,
 )
 
@@ -293,7 +295,7 @@ def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
     message = f"cross_entropy: a target is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
     if target.is_cuda:
         torch._assert_async(counts[1] == 0, message)
-    elif counts[1].item():
+    elif not tracing(counts) and counts[1].item():  # (traced: no values to check; the run checks them)
         raise ValueError(message)
     return counts
 
@@ -316,9 +318,10 @@ def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reductio
     # gradient. Rows that Triton already sees aligned (128256) take ALIGN = 1: the split's registers would slow them
     # (numbers in CHANGELOG.md).
     rows_of = (x2, grad2) if write_grad else (x2,)
-    strides = {r.stride(0) for r in rows_of}
-    seen_by_triton = n_cols % 16 == 0 and all(stride % 16 == 0 for stride in strides)
-    splittable = len(strides) == 1 and all(r.data_ptr() % 16 == 0 for r in rows_of)
+    seen_by_triton = n_cols % 16 == 0 and all(r.stride(0) % 16 == 0 for r in rows_of)
+    # (traced, the tensors have no addresses yet: such rows take the whole-row path there)
+    splittable = (not write_grad or grad2.stride(0) == x2.stride(0)) and not tracing(x2) and all(
+        r.data_ptr() % 16 == 0 for r in rows_of)
     align = 16 // x2.element_size() if splittable and not seen_by_triton else 1
     # the GPU's own setting for whole rows only: with the split's registers it was slower (numbers in CHANGELOG.md);
     # benchmarks/check_ce_settings.py checks both kinds of row (results/h100-80gb-hbm3/check_ce_settings.log)
@@ -385,7 +388,7 @@ def scale_rows_(grad2: Tensor, dloss: Tensor) -> None:
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::cross_entropy_fwd", mutates_args=())
+@triton_op("onepass::cross_entropy_fwd", mutates_args=())
 def _cross_entropy_fwd(
     logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
     softcap: Optional[float], compute_grad: bool, return_pred: bool, all_rows: bool,
@@ -398,20 +401,7 @@ def _cross_entropy_fwd(
     return loss, lse, pred, grad
 
 
-def _fake_outputs(logits, target, reduction, return_pred):
-    loss = logits.new_empty(target.shape if reduction == "none" else ())
-    lse = logits.new_empty(target.shape, dtype=torch.float32)
-    pred = logits.new_empty(target.shape if return_pred else 0, dtype=torch.int64)
-    return loss, lse, pred
-
-
-@_cross_entropy_fwd.register_fake
-def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap, compute_grad, return_pred, all_rows):
-    grad = logits.new_empty(logits.shape if compute_grad else 0)
-    return (*_fake_outputs(logits, target, reduction, return_pred), grad)
-
-
-@torch.library.custom_op("onepass::cross_entropy_fwd_inplace", mutates_args=("logits",))
+@triton_op("onepass::cross_entropy_fwd_inplace", mutates_args=("logits",))
 def _cross_entropy_fwd_inplace(
     logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
     softcap: Optional[float], return_pred: bool, all_rows: bool,
@@ -421,21 +411,11 @@ def _cross_entropy_fwd_inplace(
                        all_rows)
 
 
-@_cross_entropy_fwd_inplace.register_fake
-def _(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred, all_rows):
-    return _fake_outputs(logits, target, reduction, return_pred)
-
-
-@torch.library.custom_op("onepass::scale_grad_", mutates_args=("grad",))
+@triton_op("onepass::scale_grad_", mutates_args=("grad",))
 def _scale_grad_(grad: Tensor, dloss: Tensor) -> None:
     """grad *= dloss in place, rows of grad's last dim against dloss's elements (or a scalar)."""
     if grad.numel():  # (an empty grad has nothing to scale, and view(-1, 0) is ambiguous)
         scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1), dloss)
-
-
-@_scale_grad_.register_fake
-def _(grad, dloss):
-    return None
 
 
 def scaled_grad(grad: Tensor, dloss: Tensor) -> Tensor:

@@ -56,6 +56,7 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     num_programs_for,
     route,
+    triton_op,
     unit_stride,
     use_triton,
 )
@@ -202,15 +203,10 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     return out
 
 
-@torch.library.custom_op("onepass::decode_attention", mutates_args=())
+@triton_op("onepass::decode_attention", mutates_args=())
 def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float,
                       softcap: float, layout: str, num_splits: int, window: int) -> Tensor:
     return _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
-
-
-@_decode_attention.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------- public function

@@ -52,6 +52,7 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     num_programs_for,
     route,
+    triton_op,
     use_triton_dot,
 )
 
@@ -166,16 +167,10 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     return outs
 
 
-@torch.library.custom_op("onepass::decode_linear", mutates_args=())
+@triton_op("onepass::decode_linear", mutates_args=())
 def _decode_linear(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], act: int,
                    residual: Optional[Tensor] = None) -> list[Tensor]:
     return _decode_linear_launch(x, weights, biases, act, residual)
-
-
-@_decode_linear.register_fake
-def _(x, weights, biases, act, residual=None):
-    outs = weights[:1] if act >= 0 else weights
-    return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in outs]
 
 
 # ---------------------------------------------------------------- public functions

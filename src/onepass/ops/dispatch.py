@@ -295,7 +295,7 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
 
 def registered_outputs(outputs: tuple, like: torch.Tensor) -> tuple:
     """A launcher's outputs as a registered op returns them: each absent one (None) as an
-    empty tensor of ``like``'s dtype, for a custom op returns tensors only. Launchers return
+    empty tensor of ``like``'s dtype, for a registered op returns tensors only. Launchers return
     None rather than allocating placeholders: each allocation costs host time, more inside an
     autograd step."""
     return tuple(like.new_empty(0) if o is None else o for o in outputs)

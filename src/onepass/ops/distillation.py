@@ -74,6 +74,7 @@ from onepass.ops.dispatch import (
     is_number,
     launch,
     next_power_of_2,
+    triton_op,
     use_triton,
 )
 from onepass.ops.gemm import aligned_head, backprop_head_chunk
@@ -338,7 +339,7 @@ def _jsd_launch(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, 
 # ------------------------------------------------------------------ registered op
 
 
-@torch.library.custom_op("onepass::linear_jsd_loss_fwd", mutates_args=())
+@triton_op("onepass::linear_jsd_loss_fwd", mutates_args=())
 def _jsd_fwd(
     student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
     target: Optional[Tensor], student_bias: Optional[Tensor], teacher_bias: Optional[Tensor], weight_hard: float,
@@ -349,15 +350,6 @@ def _jsd_fwd(
     return _jsd_launch(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
                        teacher_bias, weight_hard, weight_soft, beta, ignore_index, temperature, need_dh, need_dw,
                        need_db, chunk_size, accum_dtype)
-
-
-@_jsd_fwd.register_fake
-def _(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias, teacher_bias, weight_hard,
-      weight_soft, beta, ignore_index, temperature, need_dh, need_dw, need_db, chunk_size, accum_dtype):
-    return (student_hidden.new_empty((), dtype=torch.float32),
-            student_hidden.new_empty(student_hidden.shape if need_dh else 0),
-            student_weight.new_empty(student_weight.shape if need_dw else 0),
-            student_hidden.new_empty(student_bias.shape if need_db else 0))
 
 
 def _setup_context(ctx, inputs, output):

@@ -62,6 +62,7 @@ from onepass.ops.dispatch import (
     first_order_only,
     flat,
     is_int,
+    triton_op,
     use_triton,
 )
 from onepass.ops.gemm import aligned_head, backprop_head_chunk
@@ -139,7 +140,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::linear_cross_entropy_fwd", mutates_args=())
+@triton_op("onepass::linear_cross_entropy_fwd", mutates_args=())
 def _lce_fwd(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool, need_db: bool,
@@ -153,23 +154,7 @@ def _lce_fwd(
                        accum_dtype, loss_dtype)
 
 
-def _fake_grads(hidden, weight, bias, need_dh, need_dw, need_db):
-    return (hidden.new_empty(hidden.shape if need_dh else 0), weight.new_empty(weight.shape if need_dw else 0),
-            hidden.new_empty(bias.shape if need_db else 0))
-
-
-@_lce_fwd.register_fake
-def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, need_dh, need_dw,
-      need_db, return_pred, all_rows, chunk_size, accum_dtype, loss_dtype):
-    grads = reduction != "none"
-    loss = hidden.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype)
-    lse = hidden.new_empty(target.shape, dtype=torch.float32)
-    pred = hidden.new_empty(target.shape if return_pred else 0, dtype=torch.int64)
-    return (loss, lse, pred,
-            *_fake_grads(hidden, weight, bias, need_dh and grads, need_dw and grads, need_db and grads))
-
-
-@torch.library.custom_op("onepass::linear_cross_entropy_bwd", mutates_args=())
+@triton_op("onepass::linear_cross_entropy_bwd", mutates_args=())
 def _lce_bwd(
     dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
     label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool, need_db: bool,
@@ -179,12 +164,6 @@ def _lce_bwd(
     out = _lce_launch(hidden, weight, target, bias, dloss, ignore_index, "none", label_smoothing, z_loss, softcap,
                       need_dh, need_dw, need_db, False, False, chunk_size, accum_dtype, hidden.dtype)
     return out[3], out[4], out[5]
-
-
-@_lce_bwd.register_fake
-def _(dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, need_dh, need_dw, need_db,
-      chunk_size, accum_dtype):
-    return _fake_grads(hidden, weight, bias, need_dh, need_dw, need_db)
 
 
 def _setup_context(ctx, inputs, output):

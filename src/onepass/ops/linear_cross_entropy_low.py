@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass.ops.cross_entropy import _capped, _fold, _write_grad, count_targets, reduce_loss
-from onepass.ops.dispatch import first_order_only, flat, launch, row_settings
+from onepass.ops.dispatch import first_order_only, flat, launch, row_settings, triton_op
 from onepass.ops.gemm import accumulate_mm
 
 GROUP_TOKENS = 2048
@@ -106,7 +106,7 @@ def _logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0: int
     return z
 
 
-@torch.library.custom_op("onepass::linear_cross_entropy_low_fwd", mutates_args=())
+@triton_op("onepass::linear_cross_entropy_low_fwd", mutates_args=())
 def _low_fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
              label_smoothing: float, z_loss: float, softcap: Optional[float], return_pred: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -136,14 +136,7 @@ def _low_fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     return loss, lse, pred, counts
 
 
-@_low_fwd.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, return_pred):
-    n = target.numel()
-    return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
-            hidden.new_empty(n if return_pred else 0, dtype=torch.int64), hidden.new_empty(2, dtype=torch.int32))
-
-
-@torch.library.custom_op("onepass::linear_cross_entropy_low_bwd", mutates_args=())
+@triton_op("onepass::linear_cross_entropy_low_bwd", mutates_args=())
 def _low_bwd(scale: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], lse: Tensor,
              label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool,
              need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -177,12 +170,6 @@ def _low_bwd(scale: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
     return (d_hidden.view(hidden.shape) if need_dh else hidden.new_empty(0),
             d_weight if need_dw else hidden.new_empty(0),
             d_bias.to(bias.dtype) if need_db else hidden.new_empty(0))
-
-
-@_low_bwd.register_fake
-def _(scale, hidden, weight, target, bias, lse, label_smoothing, z_loss, softcap, need_dh, need_dw, need_db):
-    return (hidden.new_empty(hidden.shape if need_dh else 0), weight.new_empty(weight.shape if need_dw else 0),
-            hidden.new_empty(bias.shape if need_db else 0))
 
 
 def _setup_context(ctx, inputs, output):

@@ -35,7 +35,6 @@ the node: x_a is then a tensor of its own, and autograd adds its gradient to x's
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -55,6 +54,7 @@ from onepass.ops.dispatch import (
     is_number,
     registered_outputs,
     route,
+    triton_op,
     use_triton,
 )
 from onepass.ops.gemm import accumulate_mm
@@ -106,7 +106,7 @@ def lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, n
             (dt @ a).view(in_shape) if need_dx_a else None)
 
 
-@torch.library.custom_op("onepass::lora_linear_fwd", mutates_args=())
+@triton_op("onepass::lora_linear_fwd", mutates_args=())
 def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
               lora_x: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     y, t, a, b = lora_fwd_launch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
@@ -114,13 +114,7 @@ def _lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor,
     return y, t, a if a is not lora_a else a.clone(), b if b is not lora_b else b.clone()
 
 
-@_lora_fwd.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, lora_x):
-    return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_a.shape[0]),
-            x.new_empty(lora_a.shape), x.new_empty(lora_b.shape))
-
-
-@torch.library.custom_op("onepass::lora_linear_bwd", mutates_args=())
+@triton_op("onepass::lora_linear_bwd", mutates_args=())
 def _lora_bwd(dy: Tensor, x: Optional[Tensor], weight: Tensor, a: Tensor, b: Tensor, t: Tensor,
               lora_x: Optional[Tensor], scaling: float, a_dtype: torch.dtype, b_dtype: torch.dtype, need_dx: bool,
               need_dw: bool, need_dbias: bool, need_da: bool, need_db: bool, need_dx_a: bool
@@ -128,17 +122,6 @@ def _lora_bwd(dy: Tensor, x: Optional[Tensor], weight: Tensor, a: Tensor, b: Ten
     """(dx, dW, d_bias, dA, dB, dx_a), each empty where not needed."""
     return registered_outputs(lora_bwd_launch(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, need_dx,
                                                need_dw, need_dbias, need_da, need_db, need_dx_a), dy)
-
-
-@_lora_bwd.register_fake
-def _(dy, x, weight, a, b, t, lora_x, scaling, a_dtype, b_dtype, need_dx, need_dw, need_dbias, need_da, need_db,
-      need_dx_a):
-    in_shape = (*dy.shape[:-1], weight.shape[1])
-    shapes = (in_shape, weight.shape, weight.shape[:1], a.shape, b.shape, in_shape)
-    dtypes = (dy.dtype, dy.dtype, dy.dtype, a_dtype, b_dtype, dy.dtype)
-    needs = (need_dx, need_dw, need_dbias, need_da, need_db, need_dx_a)
-    return tuple(dy.new_empty(shape, dtype=dtype) if need else dy.new_empty(0)
-                 for shape, dtype, need in zip(shapes, dtypes, needs))
 
 
 def _setup_context(ctx, inputs, output):

@@ -79,6 +79,7 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     registered_outputs,
     route,
+    triton_op,
     unit_stride,
     use_triton_dot,
 )
@@ -500,21 +501,13 @@ def moe_bwd_launch(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weig
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::moe_experts_fwd", mutates_args=())
+@triton_op("onepass::moe_experts_fwd", mutates_args=())
 def _moe_fwd(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_weight: Tensor,
              down_weight: Tensor, act: int, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return moe_fwd_launch(hidden, top_k_index, top_k_weights, gate_up_weight, down_weight, act, save)
 
 
-@_moe_fwd.register_fake
-def _(hidden, top_k_index, top_k_weights, gate_up_weight, down_weight, act, save):
-    slots = top_k_index.numel()
-    return (hidden.new_empty(hidden.shape), hidden.new_empty(slots if save else 0, 2 * down_weight.shape[2]),
-            hidden.new_empty(slots, dtype=torch.int64),
-            hidden.new_empty(down_weight.shape[0] + 1, dtype=torch.int32))
-
-
-@torch.library.custom_op("onepass::moe_experts_bwd", mutates_args=())
+@triton_op("onepass::moe_experts_bwd", mutates_args=())
 def _moe_bwd(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_weight: Tensor,
              down_weight: Tensor, gu: Tensor, perm: Tensor, offsets: Tensor, act: int, need_dx: bool,
              need_dweights: bool, need_dgate_up: bool, need_ddown: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -522,14 +515,6 @@ def _moe_bwd(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: T
     return registered_outputs(moe_bwd_launch(dout, hidden, top_k_index, top_k_weights, gate_up_weight, down_weight,
                                              gu, perm, offsets, act, need_dx, need_dweights, need_dgate_up,
                                              need_ddown), hidden)
-
-
-@_moe_bwd.register_fake
-def _(dout, hidden, top_k_index, top_k_weights, gate_up_weight, down_weight, gu, perm, offsets, act, need_dx,
-      need_dweights, need_dgate_up, need_ddown):
-    return tuple(torch.empty_like(t) if need else hidden.new_empty(0)
-                 for t, need in ((hidden, need_dx), (top_k_weights, need_dweights), (gate_up_weight, need_dgate_up),
-                                 (down_weight, need_ddown)))
 
 
 def _setup_context(ctx, inputs, output):

@@ -551,7 +551,7 @@ def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     residual of the layer's next add): use the returned x downstream, and the gradient it
     brings back is added inside the norm's backward kernel (a read of it) rather than by
     autograd's separate add (reads of two tensors and a write; under torch.compile too, whose
-    graph otherwise keeps that add apart from the opaque norm backward, one add a layer).
+    graph otherwise keeps that add apart from the norm backward's kernel, one add a layer).
     Where no gradient flows this is ``(norm(x), x)``."""
     if is_rms and bias is not None:
         raise ValueError("RMSNorm takes no bias")

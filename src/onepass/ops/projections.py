@@ -22,8 +22,10 @@ cuBLAS call each, and the MLP's down projection as ``decode_linear`` too, which 
 the residual stream when one is handed over (one launch fewer a layer).
 
 Both nodes are registered ops (``onepass::linears``, ``onepass::gated_mlp`` and their
-backwards), which a compiled graph keeps whole, where Inductor, given the projections one by
-one, sums the input gradients with add kernels and keeps the MLP's product for backward.
+backwards, ``dispatch.triton_op``s): a compiled graph takes their forward and backward as written
+here (input gradients summed in the matmuls, the MLP's product rebuilt in its backward), where
+Inductor, given the projections one by one, sums the input gradients with add kernels and keeps
+the MLP's product for backward.
 Eager calls go through plain ``autograd.Function`` nodes instead (less host time, as
 ``dispatch.eager_autograd`` says). Callers decide when they apply (``onepass.models.projections``).
 """
@@ -36,7 +38,15 @@ from torch import Tensor
 
 from onepass.ops import activation
 from onepass.ops.decode_linear import MAX_WEIGHTS, decode_gated, decode_linear, rows_fit
-from onepass.ops.dispatch import autocast_inputs, eager_autograd, first_order_only, registered_outputs, route, tracing
+from onepass.ops.dispatch import (
+    autocast_inputs,
+    eager_autograd,
+    first_order_only,
+    registered_outputs,
+    route,
+    tracing,
+    triton_op,
+)
 
 
 def decoding(x: Tensor, params: list[Tensor | None]) -> bool:
@@ -102,34 +112,20 @@ def _spread(present: list[Tensor], has: list[bool]) -> list[Tensor | None]:
     return [next(it) if h else None for h in has]
 
 
-# Registered: torch.compile keeps the node (and its summed input gradient) as it is. The
+# Registered: torch.compile takes the node's backward (its summed input gradient) as written. The
 # biases come as those present plus flags: torch.library gives no gradient to a list of
 # optional tensors.
-@torch.library.custom_op("onepass::linears", mutates_args=())
+@triton_op("onepass::linears", mutates_args=())
 def _linears(x: Tensor, weights: list[Tensor], biases: list[Tensor], has_bias: list[bool]) -> list[Tensor]:
     return _linears_launch(x, weights, _spread(biases, has_bias))
 
 
-@_linears.register_fake
-def _(x, weights, biases, has_bias):
-    rows = x.numel() // x.shape[-1]
-    return [x.new_empty(rows, w.shape[0]) for w in weights]
-
-
-@torch.library.custom_op("onepass::linears_bwd", mutates_args=())
+@triton_op("onepass::linears_bwd", mutates_args=())
 def _linears_bwd(grads: list[Tensor], x: Tensor, weights: list[Tensor], need_x: bool, need_w: list[bool],
                  need_b: list[bool]) -> list[Tensor]:
     """[dx, dW_1, db_1, dW_2, db_2, ...], empty where not needed."""
     dx, dws, dbs = _linears_bwd_launch(grads, x, weights, need_x, need_w, need_b)
     return list(registered_outputs((dx, *(g for pair in zip(dws, dbs) for g in pair)), x))
-
-
-@_linears_bwd.register_fake
-def _(grads, x, weights, need_x, need_w, need_b):
-    out = [x.new_empty(x.shape) if need_x else x.new_empty(0)]
-    for g, w, nw, nb in zip(grads, weights, need_w, need_b):
-        out += [w.new_empty(w.shape) if nw else x.new_empty(0), g.new_empty(g.shape[1]) if nb else x.new_empty(0)]
-    return out
 
 
 def _linears_setup_context(ctx, inputs, output):
@@ -150,7 +146,6 @@ def _linears_backward(ctx, grads):
 
 
 _linears.register_autograd(_linears_backward, setup_context=_linears_setup_context)
-
 
 
 def linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> tuple[Tensor, ...]:
@@ -192,31 +187,18 @@ def _gated_mlp_bwd_launch(d_out: Tensor, x: Tensor, gate: Tensor, up: Tensor, w_
             d2.t() @ product if need_down else None)
 
 
-@torch.library.custom_op("onepass::gated_mlp", mutates_args=())
+@triton_op("onepass::gated_mlp", mutates_args=())
 def _gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, act: int) -> tuple[Tensor, Tensor, Tensor]:
     return _gated_mlp_launch(x, w_gate, w_up, w_down, act)
 
 
-@_gated_mlp.register_fake
-def _(x, w_gate, w_up, w_down, act):
-    rows = x.numel() // x.shape[-1]
-    return (x.new_empty(*x.shape[:-1], w_down.shape[0]), x.new_empty(rows, w_gate.shape[0]),
-            x.new_empty(rows, w_up.shape[0]))
-
-
-@torch.library.custom_op("onepass::gated_mlp_bwd", mutates_args=())
+@triton_op("onepass::gated_mlp_bwd", mutates_args=())
 def _gated_mlp_bwd(d_out: Tensor, x: Tensor, gate: Tensor, up: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                    act: int, need_x: bool, need_gate: bool, need_up: bool, need_down: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dW_gate, dW_up, dW_down), empty where not needed."""
     return registered_outputs(_gated_mlp_bwd_launch(d_out, x, gate, up, w_gate, w_up, w_down, act, need_x,
                                                     need_gate, need_up, need_down), x)
-
-
-@_gated_mlp_bwd.register_fake
-def _(d_out, x, gate, up, w_gate, w_up, w_down, act, need_x, need_gate, need_up, need_down):
-    return tuple(t.new_empty(t.shape) if n else x.new_empty(0)
-                 for t, n in ((x, need_x), (w_gate, need_gate), (w_up, need_up), (w_down, need_down)))
 
 
 def _gated_mlp_setup_context(ctx, inputs, output):

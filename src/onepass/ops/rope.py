@@ -47,6 +47,7 @@ from onepass.ops.dispatch import (
     launch,
     next_power_of_2,
     route,
+    triton_op,
     unit_stride,
     use_triton,
 )
@@ -229,16 +230,11 @@ def _rope_out_of_place(q, k, cos, sin, position_ids, layout, interleaved, backwa
     return q_out, k_out
 
 
-@torch.library.custom_op("onepass::rope", mutates_args=())
+@triton_op("onepass::rope", mutates_args=())
 def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str,
           interleaved: bool, backward: bool) -> tuple[Tensor, Tensor]:
     """(q', k') rotated (by the negated angle, transposed, with backward=True); contiguous outputs."""
     return _rope_out_of_place(q, k, cos, sin, position_ids, layout, interleaved, backward)
-
-
-@_rope.register_fake
-def _(q, k, cos, sin, position_ids, layout, interleaved, backward):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -259,16 +255,11 @@ _rope.register_autograd(_backward, setup_context=_setup_context)
 _rope_eager = eager_autograd(_rope_out_of_place, _setup_context, _backward)
 
 
-@torch.library.custom_op("onepass::rope_", mutates_args=("q", "k"))
+@triton_op("onepass::rope_", mutates_args=("q", "k"))
 def _rope_inplace(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: str,
                   interleaved: bool) -> None:
     """Rotate q and k in place (no autograd: the public function refuses it when a gradient is needed)."""
     _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, False, q, k)
-
-
-@_rope_inplace.register_fake
-def _(q, k, cos, sin, position_ids, layout, interleaved):
-    return None
 
 
 # ---------------------------------------------------------------- public function

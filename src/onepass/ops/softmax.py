@@ -45,6 +45,7 @@ from onepass.ops.dispatch import (
     is_number,
     launch,
     row_settings,
+    triton_op,
     use_triton,
 )
 
@@ -256,26 +257,16 @@ def _softmax_bwd_launch(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Te
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::softmax_fwd", mutates_args=())
+@triton_op("onepass::softmax_fwd", mutates_args=())
 def _softmax_fwd(x: Tensor, mask: Optional[Tensor], scale: float, causal: bool) -> Tensor:
     """softmax(x * scale + mask) over the last dim; y is contiguous."""
     return _softmax_fwd_launch(x, mask, scale, causal)
 
 
-@_softmax_fwd.register_fake
-def _(x, mask, scale, causal):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("onepass::softmax_bwd", mutates_args=())
+@triton_op("onepass::softmax_bwd", mutates_args=())
 def _softmax_bwd(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Tensor:
     """dx = y * (dy - sum(dy * y)) * scale over the last dim."""
     return _softmax_bwd_launch(dy, y, scale, causal)
-
-
-@_softmax_bwd.register_fake
-def _(dy, y, scale, causal):
-    return torch.empty(y.shape, dtype=y.dtype, device=y.device)
 
 
 def _setup_context(ctx, inputs, output):
