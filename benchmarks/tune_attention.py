@@ -1,6 +1,6 @@
 """Sweep attention's launch settings at the issue's shapes on a GPU, beside SDPA's cuDNN and flash backends.
 
-    python benchmarks/tune_attention.py [preset ...]     (presets: d64 d128 d128-causal d256; default all)
+    python benchmarks/tune_attention.py [--no-sweep] [preset ...]  (presets: d64 d128 d128-causal d256; default all)
 
 For each preset: SDPA (flash, cuDNN) and onepass, forward and forward+backward, TFLOP/s (fwd+bwd
 counted as 3.5x the forward's FLOPs); then each forward, dK/dV and dQ setting in turn (the others at
@@ -94,21 +94,27 @@ def run_preset(name):
         return ops.attention(q, k, v, causal=causal)
 
     print(f"\n== {name}: B{batch} S{seq} {hq}/{hk} heads, head dim {dim}, {'causal' if causal else 'full'}, bf16")
-    for label, fn in (("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
+    for label, fn in (("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION)),
+                      ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
                       ("onepass", ours)):
         try:
             fwd_ms = do_bench(fn, return_mode="median")
             both_ms = do_bench(fwd_bwd(fn), return_mode="median")
-            print(f"{label:<11} fwd {fwd_ms:7.3f} ms {flops / fwd_ms / 1e9:6.0f} TFLOP/s   fwd+bwd {both_ms:7.3f} ms "
-                  f"{3.5 * flops / both_ms / 1e9:6.0f} TFLOP/s")
+            print(f"{label:<22} fwd {fwd_ms:7.3f} ms {flops / fwd_ms / 1e9:6.0f} TFLOP/s   fwd+bwd {both_ms:7.3f} ms "
+                  f"{3.5 * flops / both_ms / 1e9:6.0f} TFLOP/s", flush=True)
         except RuntimeError as e:
-            print(f"{label:<11} failed: {str(e)[:100]}")
+            print(f"{label:<22} failed: {str(e)[:100]}")
+    if SWEEP:
+        sweep_settings(dim, fwd_bwd(ours))
+
+
+def sweep_settings(dim, step):
     for kernel, settings in SETTINGS[dim].items():
         default = attention_module.CONFIGS[kernel][dim]
         for setting in settings:
             attention_module.CONFIGS[kernel][dim] = setting
             try:
-                us = sum(t for n, t in kernel_us(fwd_bwd(ours)).items() if KERNEL_NAMES[kernel] in n)
+                us = sum(t for n, t in kernel_us(step).items() if KERNEL_NAMES[kernel] in n)
                 mark = " (default)" if setting == default else ""
                 print(f"{kernel:<5} {setting}: {us:8.1f} us{mark}", flush=True)
             except Exception as e:  # over the shared-memory or register limit
@@ -116,7 +122,9 @@ def run_preset(name):
         attention_module.CONFIGS[kernel][dim] = default
 
 
+SWEEP = "--no-sweep" not in sys.argv
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
-    for preset in sys.argv[1:] or list(PRESETS):
+    for preset in [a for a in sys.argv[1:] if a in PRESETS] or list(PRESETS):
         run_preset(preset)

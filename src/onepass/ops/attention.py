@@ -105,12 +105,14 @@ L2_CHUNK_BYTES = 8 * 2**20
 CHUNK_WAVES = 4
 
 # (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per kernel and padded head dim (up to 64: the 64 row).
-# Head dim 64: timed on an H200 by benchmarks/tune_attention_d64.py (results/h200/tune_attention_d64.log); 128
-# and 256 are untimed, the fewest ptxas spills of an sm_90a build within shared memory (candidates: CHANGELOG.md).
+# Head dim 64: timed on an H200 (results/h200/tune_attention_d64.log); 128 and 256 on an H100 at the issue's
+# shapes (benchmarks/tune_attention.py, results/h100-80gb-hbm3/tune_attention.log: head dim 256 fwd+bwd 15.0 ->
+# 6.8 ms, 128 4% less): the fastest candidate of each kernel at every shape timed, but the head-dim-128 forward,
+# whose (64, 64, 4, 3) won inside a training step (warm L2) and lost 2-5% alone (attention_tma.log).
 CONFIGS = {
-    "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
-    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 8, 3), 256: (16, 64, 8, 2)},
-    "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
+    "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 2)},
+    "dkdv": {64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)},
+    "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 1)},
 }
 # dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
