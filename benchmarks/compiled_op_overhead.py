@@ -13,6 +13,8 @@
 3. A Llama-3.2-1B-shaped forward (random weights, bf16, 1 x 1024 tokens, no grad): median ms
    (``triton.testing.do_bench``) of torch.compile of the model as built against torch.compile of
    ``onepass.optimize(model)``; default mode, no CUDA graphs.
+4. linear_cross_entropy's peak memory and time, eager and compiled (its chunked logits buffer,
+   reused in place by the launcher, must stay one buffer in Inductor's functional graph).
 
 Needs a CUDA GPU; without one it only checks that it imports and stops.
 Results: benchmarks/results/h200/compiled_op_overhead.log.
@@ -130,6 +132,35 @@ def llama_forward():
                   f"{frames:6.1f} onepass Python frames a forward  rel. diff vs eager {err:.1e}", flush=True)
 
 
+def lce_memory():
+    """linear_cross_entropy forward + backward at the Llama-3 head (8192 tokens, hidden 2048, vocabulary 128256,
+    bf16), eager and with the loss compiled: peak memory above the inputs and median ms. Its launcher reuses one
+    logits buffer across token chunks; the compiled graph is functional, so this peak holds only where Inductor
+    writes that buffer in place again."""
+    from triton.testing import do_bench
+
+    torch.manual_seed(0)
+    h = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(128256, 2048, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    t = torch.randint(0, 128256, (8192,), device="cuda")
+    for name, loss in (("eager", ops.linear_cross_entropy), ("compiled", torch.compile(ops.linear_cross_entropy))):
+        def step(loss=loss):
+            loss(h, w, t).backward()
+
+        step()
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        ms = do_bench(step, grad_to_none=[h, w], return_mode="median")
+        h.grad = w.grad = None
+        print(f"linear_cross_entropy 8192 x 2048 x 128256 bf16 fwd+bwd, {name:<9} {ms:7.2f} ms (median)  "
+              f"peak {peak:7.0f} MiB above the inputs", flush=True)
+
+
 def main():
     if not torch.cuda.is_available():
         print("compiled_op_overhead: no CUDA GPU here; imports checked, nothing measured")
@@ -139,6 +170,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     rms_norm_chain()
     llama_forward()
+    lce_memory()
 
 
 if __name__ == "__main__":
