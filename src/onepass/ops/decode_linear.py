@@ -59,10 +59,12 @@ from onepass.ops.dispatch import (
 MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS, which won at 64 (CHANGELOG.md)
 MAX_WEIGHTS = 3
 # BLOCK_N: the widest of 64/32/16 that still gives every 2 SMs a program (by SM count); BLOCK_K: 16 KB of weight
-# a stage (128 for the gated pair). Swept on an H200 by a script not in the tree (numbers in CHANGELOG.md); the
-# result against cuBLAS: `onepass bench ops --suite decode_linear`, benchmarks/results/h200/decode_linear.md.
+# a stage (numbers in CHANGELOG.md; against cuBLAS: `onepass bench ops --suite decode_linear`). The gated pair:
+# 32 features, BLOCK_K 128, 3 stages, the best or within 2% of it at every shape timed (Qwen2-1.5B's gate/up 21.1
+# us, 23.9 at the plain rule's 64 features); the plain rule is within 3% of the best candidate there
+# (benchmarks/tune_decode_linear.py, results/h100-80gb-hbm3/tune_decode_linear.log).
 BLOCK_K = {16: 512, 32: 256, 64: 256}
-GATED_BLOCK_K = 128
+GATED_CONFIG = (32, 128, 4, 3)
 NUM_WARPS, NUM_STAGES = 4, 4
 INTERPRETER_CONFIG = (16, 64, 1, 1)
 SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (sm_90's limit: 227 KiB a block)
@@ -130,10 +132,12 @@ def _config(x: Tensor, block_m: int, n_features: int, gated: bool) -> tuple[int,
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``n_features`` outputs in all (see BLOCK_K)."""
     if interpreting():
         return INTERPRETER_CONFIG
+    if gated:
+        return GATED_CONFIG
     half_the_sms = num_programs_for(x.device) // 2
     block_n = next((n for n in (64, 32) if cdiv(n_features, n) >= half_the_sms), 16)
-    block_k = GATED_BLOCK_K if gated else BLOCK_K[block_n]
-    per_stage = (block_m + (2 if gated else 1) * block_n) * block_k * x.element_size()
+    block_k = BLOCK_K[block_n]
+    per_stage = (block_m + block_n) * block_k * x.element_size()
     return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage))
 
 
