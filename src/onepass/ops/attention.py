@@ -92,6 +92,7 @@ from onepass.ops.dispatch import (
     num_programs_for,
     route,
     tracing,
+    triton_op,
     unit_stride,
     use_triton_dot,
 )
@@ -566,30 +567,18 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
 # ------------------------------------------------------------------ registered ops
 
 
-@torch.library.custom_op("onepass::attention_fwd", mutates_args=())
+@triton_op("onepass::attention_fwd")
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], scale: float, before: int,
                    after: int, softcap: float, layout: str) -> tuple[Tensor, Tensor]:
     """Returns (o, lse): o in q's layout, lse fp32 [B, H, S_q] (varlen: [H, total])."""
     return _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout)
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
-    g = _Geometry(q, k, layout, cu_seqlens)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(g.lse_shape(),
-                                                                                    dtype=torch.float32)
-
-
-@torch.library.custom_op("onepass::attention_bwd", mutates_args=())
+@triton_op("onepass::attention_bwd")
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                    cu_seqlens: Optional[Tensor], scale: float, before: int, after: int, softcap: float,
                    layout: str) -> tuple[Tensor, Tensor, Tensor]:
     return _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, after, softcap, layout)
-
-
-@_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, after, softcap, layout):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
