@@ -237,8 +237,8 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
         dy2 = _rows(dy, bias is not None)
         u2 = _rows(up, False) if up is not None else x2
         launch(_act_bwd_kernel, (col_tiles, groups),
-            dy2, x2, u2, bias if bias is not None else x2, dx, du if up is not None else dx,
-            y if write_y else dx, db_part,
+            dy2, x2, u2, bias if bias is not None else x2, dx, du if up is not None else dy2,
+            y if write_y else dy2, db_part,  # (placeholders are inputs: see dispatch.triton_op)
             m, n, tiles_per_program, dy2.stride(0), x2.stride(0), u2.stride(0),
             ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, WRITE_Y=write_y, BLOCK_M=block_m,
             BLOCK_N=block_n, num_warps=num_warps,

@@ -22,13 +22,14 @@ def tanh(x):
 
 @triton.jit
 def scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
-    """Scores in log2 units from raw dot products; also tanh(.) for the softcap derivative."""
+    """Scores in log2 units from raw dot products; also tanh(.) for the softcap derivative.
+    fp32 whatever the scalars' type (Inductor may pass a symbolic float as float64)."""
     if SOFTCAP:
-        t = tanh(qk * (scale / softcap))
-        s = t * (softcap * LOG2E)
+        t = tanh(qk * (scale / softcap)).to(tl.float32)
+        s = (t * (softcap * LOG2E)).to(tl.float32)
     else:
         t = qk
-        s = qk * (scale * LOG2E)
+        s = (qk * (scale * LOG2E)).to(tl.float32)
     return s, t
 
 

@@ -159,7 +159,7 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     bs = ([b.contiguous() if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
           if has_bias else [])  # the kernel reads a bias at unit stride
     bs += [ws[0]] * (MAX_WEIGHTS - len(bs))
-    ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
+    ys = outs + [x2] * (MAX_WEIGHTS - len(outs))  # (placeholders are inputs: see dispatch.triton_op)
     r2 = as_rows(residual) if residual is not None else x2
     ns = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
     tiles = [cdiv(n, block_n) for n in ns]

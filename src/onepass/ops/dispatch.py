@@ -346,7 +346,7 @@ def tracing(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or (type(t) is not torch.Tensor and is_fake(t))
 
 
-def triton_op(name: str, *, mutates_args=()):
+def triton_op(name: str, *, mutates_args=(), traced: bool = True):
     """Register a launcher as the op ``name``: ``torch.library.triton_op(name, mutates_args=...)``.
 
     The body (the launcher) is also the op's fake implementation, and under torch.compile
@@ -355,8 +355,15 @@ def triton_op(name: str, *, mutates_args=()):
     ``custom_op`` with itself as the fake implementation: the interpreter's kernels cannot enter
     a graph (``wrap_triton`` hands them back unwrapped), so the op stays opaque there and runs its
     launcher at each call of a compiled function, as every op did before.
+
+    ``traced=False`` registers that opaque form on a GPU too, for ops whose traced form Inductor
+    has not been seen to compute right (the ops say why). What a traced body must respect: an
+    absent pointer argument's placeholder is an input the kernel reads, never an output (Inductor
+    may treat every pointer argument as written and copy each back: a placeholder aliasing an
+    output overwrites it); float scalars may arrive as float64 (cast them before they meet fp32
+    accumulators).
     """
-    if not interpreting():
+    if traced and not interpreting():
         return torch.library.triton_op(name, mutates_args=mutates_args)
 
     def register(fn):

@@ -140,7 +140,8 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
 # ------------------------------------------------------------------ registered ops
 
 
-@triton_op("onepass::linear_cross_entropy_fwd", mutates_args=())
+# opaque: Inductor gave wrong results on an H100 (CHANGELOG)
+@triton_op("onepass::linear_cross_entropy_fwd", traced=False)
 def _lce_fwd(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool, need_db: bool,
@@ -154,7 +155,8 @@ def _lce_fwd(
                        accum_dtype, loss_dtype)
 
 
-@triton_op("onepass::linear_cross_entropy_bwd", mutates_args=())
+# opaque: Inductor gave wrong results on an H100 (CHANGELOG)
+@triton_op("onepass::linear_cross_entropy_bwd", traced=False)
 def _lce_bwd(
     dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
     label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool, need_db: bool,

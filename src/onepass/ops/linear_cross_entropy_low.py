@@ -106,7 +106,8 @@ def _logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, v0: int
     return z
 
 
-@triton_op("onepass::linear_cross_entropy_low_fwd", mutates_args=())
+# opaque: Inductor gave wrong results on an H100 (CHANGELOG)
+@triton_op("onepass::linear_cross_entropy_low_fwd", traced=False)
 def _low_fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
              label_smoothing: float, z_loss: float, softcap: Optional[float], return_pred: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -136,7 +137,8 @@ def _low_fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     return loss, lse, pred, counts
 
 
-@triton_op("onepass::linear_cross_entropy_low_bwd", mutates_args=())
+# opaque: Inductor gave wrong results on an H100 (CHANGELOG)
+@triton_op("onepass::linear_cross_entropy_low_bwd", traced=False)
 def _low_bwd(scale: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], lse: Tensor,
              label_smoothing: float, z_loss: float, softcap: Optional[float], need_dh: bool, need_dw: bool,
              need_db: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -501,13 +501,15 @@ def moe_bwd_launch(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weig
 # ------------------------------------------------------------------ registered ops
 
 
-@triton_op("onepass::moe_experts_fwd", mutates_args=())
+# opaque: Inductor gave wrong results on an H100 (CHANGELOG)
+@triton_op("onepass::moe_experts_fwd", traced=False)
 def _moe_fwd(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_weight: Tensor,
              down_weight: Tensor, act: int, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return moe_fwd_launch(hidden, top_k_index, top_k_weights, gate_up_weight, down_weight, act, save)
 
 
-@triton_op("onepass::moe_experts_bwd", mutates_args=())
+# opaque: Inductor gave wrong results on an H100 (CHANGELOG)
+@triton_op("onepass::moe_experts_bwd", traced=False)
 def _moe_bwd(dout: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_weight: Tensor,
              down_weight: Tensor, gu: Tensor, perm: Tensor, offsets: Tensor, act: int, need_dx: bool,
              need_dweights: bool, need_dgate_up: bool, need_ddown: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -319,13 +319,13 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
         return y, h, mean, rstd
     res2 = as_rows(residual) if residual is not None else x2
     y2 = y.view(m, n)
-    h2 = h.view(m, n) if h is not None else y2
+    h2 = h.view(m, n) if h is not None else x2  # (placeholders are inputs: see dispatch.triton_op)
     # Values a thread (so warps, by the row width): 16 for plain RMSNorm, 32 for LayerNorm and the add_* forms;
     # evidence: benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log (numbers in CHANGELOG.md).
     block, num_warps = row_settings(n, values_per_thread=16 if is_rms and residual is None else 32)
     launch(_norm_fwd_kernel, (m,),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
-        y2, h2, mean if mean is not None else rstd, rstd,
+        y2, h2, mean if mean is not None else x2, rstd,
         x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
         n, eps, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
@@ -363,7 +363,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if bias_dtype is not None else None
     if m > 0 and n > 0:
         weight = weight.contiguous() if weight is not None else None
-        dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dres.view(m, n))
+        dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dy2)  # (placeholder: an input)
         launch(_norm_bwd_kernel, (programs,),
             dy2, dh_out2, h2, weight if weight is not None else h2, mean if mean is not None else rstd, rstd, dres2,
             dx2,

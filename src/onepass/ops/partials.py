@@ -52,7 +52,8 @@ def sum_partials(*buffers: tuple[Tensor, torch.dtype]) -> list[Tensor]:
     n_parts, n_cols = buffers[0][0].shape
     outs = [torch.empty(n_cols, dtype=dtype, device=part.device) for part, dtype in buffers]
     if n_cols:
-        (part, _), (part2, _) = buffers[0], buffers[-1]
-        launch(_sum_partials_kernel, (cdiv(n_cols, BLOCK_C), len(buffers)), part, outs[0], part2, outs[-1],
+        part, part2 = buffers[0][0], buffers[-1][0]
+        out2 = outs[1] if len(outs) == 2 else part  # (a placeholder is an input: see dispatch.triton_op)
+        launch(_sum_partials_kernel, (cdiv(n_cols, BLOCK_C), len(buffers)), part, outs[0], part2, out2,
                n_parts, n_cols, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
     return outs
