@@ -515,7 +515,7 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group  # a q head's share of its K and V
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
     launch(_attn_fwd_kernel, grid,
-        q, k, v, o, lse, g.cu(lse),
+        q, k, v, o, lse, g.cu(q),  # (a placeholder is an input: see dispatch.triton_op)
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.lse_strides(),
         g.seqlen_q, g.seqlen_k, g.heads, g.group, *seq_args, scale, softcap or 1.0, before, after,
         BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,

@@ -327,7 +327,7 @@ def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reductio
     # benchmarks/check_ce_settings.py checks both kinds of row (results/h100-80gb-hbm3/check_ce_settings.log)
     block, num_warps = ce_settings(n_cols, write_grad, x2.device if align == 1 else None)
     launch(_cross_entropy_fwd_kernel, (rows,),
-        x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else lse, counts, scale,
+        x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else x2, counts, scale,
         x2.stride(0), grad2.stride(0) if write_grad else 0, scale.stride(0) if scale.dim() else 0,
         n_cols, ignore_index, label_smoothing, z_loss, softcap or 1.0,
         MEAN=reduction == "mean", HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss != 0,
