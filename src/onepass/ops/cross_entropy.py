@@ -64,12 +64,14 @@ from onepass.ops.dispatch import (
     check_same_device,
     check_softcap,
     device_setting,
+    eager_autograd,
     first_order_only,
     flat,
     is_number,
     launch,
     next_power_of_2,
     num_programs_for,
+    route,
     tracing,
     triton_op,
     use_triton,
@@ -388,8 +390,7 @@ def scale_rows_(grad2: Tensor, dloss: Tensor) -> None:
 # ------------------------------------------------------------------ registered ops
 
 
-@triton_op("onepass::cross_entropy_fwd", mutates_args=())
-def _cross_entropy_fwd(
+def _cross_entropy_fwd_launch(
     logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
     softcap: Optional[float], compute_grad: bool, return_pred: bool, all_rows: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -399,6 +400,9 @@ def _cross_entropy_fwd(
     loss, lse, pred = _fwd_launch(logits, target, grad if compute_grad else None, ignore_index, reduction,
                                   label_smoothing, z_loss, softcap, return_pred, all_rows)
     return loss, lse, pred, grad
+
+
+_cross_entropy_fwd = triton_op("onepass::cross_entropy_fwd")(_cross_entropy_fwd_launch)
 
 
 @triton_op("onepass::cross_entropy_fwd_inplace", mutates_args=("logits",))
@@ -454,6 +458,7 @@ def _backward(ctx, dloss, _dlse, _dpred, _dgrad):
 
 
 _cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+_cross_entropy_fwd_eager = eager_autograd(_cross_entropy_fwd_launch, _setup_context, _backward)
 
 
 class _InplaceGradCrossEntropy(torch.autograd.Function):
@@ -561,7 +566,8 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
                              "would overwrite logits another row still reads); pass inplace_grad=False")
         loss, lse, pred = _InplaceGradCrossEntropy.apply(logits, target, *args, return_pred, all_rows)
     else:
-        loss, lse, pred, _ = _cross_entropy_fwd(logits, target, *args, need_grad, return_pred, all_rows)
+        op = route(_cross_entropy_fwd, _cross_entropy_fwd_launch, logits, autograd=_cross_entropy_fwd_eager)
+        loss, lse, pred, _ = op(logits, target, *args, need_grad, return_pred, all_rows)
     if not (return_lse or return_pred):
         return loss
     return loss, (lse if return_lse else None), (pred if return_pred else None)
