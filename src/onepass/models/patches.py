@@ -87,7 +87,7 @@ class InstanceForward:
     forward it replaces, which Hugging Face reads (Trainer keeps only the dataset columns
     the model's forward names; generate passes ``attention_mask`` and ``logits_to_keep``
     only to a forward that names them), as does the function itself. Attributes of the
-    function (``takes_residual``) read through.
+    function (``takes_residual``) are this object's too.
     """
 
     # a function's own attributes that callers of a bound method read through it
@@ -99,6 +99,9 @@ class InstanceForward:
     def __init__(self, module: nn.Module, make: Callable[..., Callable], *args: Any) -> None:
         self.__self__, self.__func__ = module, make(*args)
         self._make = (make, args)
+        # the function's own attributes (takes_residual) as this object's: read through __getattr__, each
+        # read is a Python frame, which a compiled model's guards ran every call, once a layer
+        self.__dict__.update((k, v) for k, v in vars(self.__func__).items() if not k.startswith("__"))
         try:
             signature = inspect.signature(module.forward)  # the replaced forward's (self bound)
         except (TypeError, ValueError):  # a builtin or other uninspectable forward: the function's own
