@@ -405,8 +405,7 @@ def _cross_entropy_fwd_launch(
 _cross_entropy_fwd = triton_op("onepass::cross_entropy_fwd")(_cross_entropy_fwd_launch)
 
 
-@triton_op("onepass::cross_entropy_fwd_inplace", mutates_args=("logits",))
-def _cross_entropy_fwd_inplace(
+def _cross_entropy_fwd_inplace_launch(
     logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
     softcap: Optional[float], return_pred: bool, all_rows: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -415,20 +414,18 @@ def _cross_entropy_fwd_inplace(
                        all_rows)
 
 
-@triton_op("onepass::scale_grad_", mutates_args=("grad",))
-def _scale_grad_(grad: Tensor, dloss: Tensor) -> None:
-    """grad *= dloss in place, rows of grad's last dim against dloss's elements (or a scalar)."""
-    if grad.numel():  # (an empty grad has nothing to scale, and view(-1, 0) is ambiguous)
-        scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1), dloss)
+_cross_entropy_fwd_inplace = triton_op("onepass::cross_entropy_fwd_inplace", mutates_args=("logits",))(
+    _cross_entropy_fwd_inplace_launch)
 
 
 def scaled_grad(grad: Tensor, dloss: Tensor) -> Tensor:
     """The saved forward gradient times the upstream one: in place in eager (free when the
-    upstream gradient is 1); a plain multiply while traced (torch.compile, AOT), whose
-    graph owns memory and may not mutate a saved forward output."""
+    upstream gradient is 1); a plain multiply while traced (torch.compile, AOT), whose graph
+    owns memory and may not mutate a saved forward output."""
     if torch.compiler.is_compiling() or is_fake(grad):
         return grad * (dloss.unsqueeze(-1) if dloss.dim() else dloss)
-    _scale_grad_(grad, dloss)
+    if grad.numel():  # (an empty grad has nothing to scale, and view(-1, 0) is ambiguous)
+        scale_rows_(grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1), dloss)
     return grad
 
 
@@ -466,7 +463,8 @@ class _InplaceGradCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred, all_rows):
-        loss, lse, pred = _cross_entropy_fwd_inplace(logits, target, ignore_index, reduction, label_smoothing, z_loss,
+        op = route(_cross_entropy_fwd_inplace, _cross_entropy_fwd_inplace_launch, logits)
+        loss, lse, pred = op(logits, target, ignore_index, reduction, label_smoothing, z_loss,
                                                      softcap, return_pred, all_rows)
         # saved after the write (it now holds the gradient), as a detached alias so that
         # autograd may hand the storage to a leaf's .grad instead of cloning it
