@@ -97,15 +97,17 @@ def test_sliding_window_several_tokens_bshd_softcap(n_tokens, device):
     assert_close(out, _windowed_reference(q, k, v, lens, 19, layout="bshd", **kw), torch.float32)
 
 
-def test_sliding_window_reference_path():
-    """Without the kernels (reference mode), the window is applied the same way."""
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_sliding_window_reference_path(layout):
+    """Without the kernels (reference mode: reference.decode_attention), the window is applied the same way."""
     from onepass.ops.dispatch import reference_mode
 
-    q, k, v = _inputs(2, 4, 2, 2, 30, 16, torch.float32, "cpu")
+    q, k, v = _inputs(2, 4, 2, 2, 30, 16, torch.float32, "cpu", layout=layout)
     lens = [30, 9]
     with reference_mode():
-        out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32), window=5, softcap=2.0)
-    assert_close(out, _windowed_reference(q, k, v, lens, 5, softcap=2.0), torch.float32)
+        out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32), window=5, softcap=2.0,
+                                   layout=layout)
+    assert_close(out, _windowed_reference(q, k, v, lens, 5, layout=layout, softcap=2.0), torch.float32)
 
 
 def test_matches_attention_on_the_cache(device):

@@ -274,21 +274,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_triton(q):
-        return _reference(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, window)
+        return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, window)
     return route(_decode_attention, _decode_launch, q)(q, k_cache, v_cache, cache_seqlens, scale,
                                                        float(softcap or 0.0), layout, int(num_splits or 0),
                                                        int(window or 0))
-
-
-def _reference(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, window):
-    """``reference.decode_attention``, which has no window; with one, ``reference.attention`` on
-    each sequence's valid cache (its bottom-right alignment puts the new tokens last)."""
-    if window is None:
-        return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout)
-    seq = 1 if layout == "bshd" else 2
-    outs = []
-    for b, n in enumerate(cache_seqlens.clamp(0, k_cache.shape[seq]).tolist()):
-        k, v = (t[b:b + 1].narrow(seq, 0, n) for t in (k_cache, v_cache))
-        outs.append(reference.attention(q[b:b + 1], k, v, causal=True, scale=scale, window=window, softcap=softcap,
-                                        layout=layout))
-    return torch.cat(outs, 0)

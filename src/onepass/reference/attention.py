@@ -87,15 +87,15 @@ def attention(q, k, v, causal=False, scale=None, window=None, softcap=None, layo
     return (out, lse) if return_lse else out
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=None, layout="bhsd"):
+def decode_attention(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=None, layout="bhsd", window=None):
     """Reference of ``onepass.ops.decode_attention``: each sequence's Tq new tokens are the
     last Tq of its ``cache_seqlens[b]`` cached positions (clamped to [0, L_max]), causal among
-    themselves."""
+    themselves; with ``window``, the token at position p sees keys p - window + 1 .. p only."""
     if layout == "bshd":
         q, k_cache, v_cache = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
     outs = []
     for b, n in enumerate(cache_seqlens.clamp(0, k_cache.shape[2]).tolist()):
         outs.append(attention(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], causal=True,
-                              scale=scale, softcap=softcap))
+                              scale=scale, window=window, softcap=softcap))
     out = torch.cat(outs, 0)
     return out.transpose(1, 2) if layout == "bshd" else out
