@@ -106,10 +106,9 @@ L2_CHUNK_BYTES = 8 * 2**20
 CHUNK_WAVES = 4
 
 # (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per kernel and padded head dim (up to 64: the 64 row).
-# Head dim 64: timed on an H200 (results/h200/tune_attention_d64.log); 128 and 256 on an H100 at the issue's
-# shapes (benchmarks/tune_attention.py, results/h100-80gb-hbm3/tune_attention.log: head dim 256 fwd+bwd 15.0 ->
-# 6.8 ms, 128 4% less): the fastest candidate of each kernel at every shape timed, but the head-dim-128 forward,
-# whose (64, 64, 4, 3) won inside a training step (warm L2) and lost 2-5% alone (attention_tma.log).
+# The fastest candidate of each kernel at every shape timed (benchmarks/tune_attention.py; results and numbers:
+# CHANGELOG.md), but the head-dim-128 forward keeps (128, 64, 8, 3): the smaller tile won only inside a training
+# step (warm L2) and lost alone (results/h100-80gb-hbm3/attention_tma.log).
 CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 2)},
     "dkdv": {64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)},

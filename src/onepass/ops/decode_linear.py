@@ -60,9 +60,8 @@ MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS, which
 MAX_WEIGHTS = 3
 # BLOCK_N: the widest of 64/32/16 that still gives every 2 SMs a program (by SM count); BLOCK_K: 16 KB of weight
 # a stage (numbers in CHANGELOG.md; against cuBLAS: `onepass bench ops --suite decode_linear`). The gated pair:
-# 32 features, BLOCK_K 128, 3 stages, the best or within 2% of it at every shape timed (Qwen2-1.5B's gate/up 21.1
-# us, 23.9 at the plain rule's 64 features); the plain rule is within 3% of the best candidate there
-# (benchmarks/tune_decode_linear.py, results/h100-80gb-hbm3/tune_decode_linear.log).
+# 32 features, BLOCK_K 128, 3 stages, the best or near it at every shape timed, where the plain rule's widest
+# tiles left the gate/up pair slower (benchmarks/tune_decode_linear.py; numbers in CHANGELOG.md).
 BLOCK_K = {16: 512, 32: 256, 64: 256}
 GATED_CONFIG = (32, 128, 4, 3)
 NUM_WARPS, NUM_STAGES = 4, 4
