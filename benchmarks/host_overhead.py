@@ -3,7 +3,9 @@
     python benchmarks/host_overhead.py
 
 A step is host-bound when its host time exceeds its GPU time; this splits the host time
-into the Triton launch, the registered op, autograd, and the autograd engine's thread.
+into the Triton launch, the registered op, autograd, and the autograd engine's thread, then
+compares one eager call of each often-called op (forward, and forward + backward) at a size
+whose GPU work is small against PyTorch's C++ op and Liger's.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 import onepass.ops.norm as norm
+from onepass import ops
+from onepass.bench.case import liger
 from onepass.ops.dispatch import launch
 
 ROWS, N = 16384, 4096
@@ -133,5 +138,50 @@ def main():
     torch.cuda.set_sync_debug_mode(0)
 
 
+def per_op(rows: int = 1024, hidden: int = 2048, vocab: int = 32000):
+    """Host time a call of onepass, PyTorch's C++ op and Liger, forward and forward + backward."""
+    def leaf(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    x, w, b, g, u, logits = leaf(rows, hidden), leaf(hidden), leaf(hidden), leaf(rows, hidden), leaf(rows, hidden), \
+        leaf(rows, vocab)
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    liger_rms, liger_ln = liger("liger_kernel.transformers.functional", "liger_rms_norm"), \
+        liger("liger_kernel.transformers.functional", "liger_layer_norm")
+    liger_swiglu, liger_ce = liger("liger_kernel.transformers.functional", "liger_swiglu"), \
+        liger("liger_kernel.transformers.functional", "liger_cross_entropy")
+    cases = {
+        "rms_norm": ((x, w), lambda x, w: ops.rms_norm(x, w), lambda x, w: F.rms_norm(x, (hidden,), w, 1e-6),
+                     liger_rms and (lambda x, w: liger_rms(x, w, 1e-6))),
+        "layer_norm": ((x, w, b), lambda x, w, b: ops.layer_norm(x, w, b),
+                       lambda x, w, b: F.layer_norm(x, (hidden,), w, b),
+                       liger_ln and (lambda x, w, b: liger_ln(x, w, b, 1e-5))),
+        "swiglu": ((g, u), ops.swiglu, lambda g, u: F.silu(g) * u, liger_swiglu),
+        "cross_entropy": ((logits, target), ops.cross_entropy, F.cross_entropy, liger_ce),
+    }
+    print(f"\nhost us a call, {rows} rows, hidden {hidden}, vocabulary {vocab}, bf16: onepass / torch (C++) / liger")
+    for name, (args, *fns) in cases.items():
+        leaves = [a for a in args if a.requires_grad]
+        for mode in ("fwd", "fwd+bwd"):
+            cells = []
+            for fn in fns:
+                if fn is None:
+                    cells.append("      —")
+                    continue
+
+                def call(fn=fn, mode=mode):
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            return fn(*args)
+                    for t in leaves:
+                        t.grad = None
+                    out = fn(*args)
+                    out.backward(dy if out.dim() else None)
+                cells.append(f"{host_us(call)[0]:7.1f}")
+            print(f"{name:<14} {mode:<8} {' / '.join(cells)}")
+
+
 if __name__ == "__main__":
     main()
+    per_op()

@@ -38,11 +38,13 @@ and a second backward through the same graph (``retain_graph=True``) raises. Row
 an ignored target are not read at all unless lse or pred is requested.
 
 Targets are checked without a host sync on CUDA: a small kernel counts the valid and
-the out-of-range targets on the device (the count is also mean's divisor) and
-``torch._assert_async`` fails on the device if any target is out of range; like
-PyTorch's own loss, the error then surfaces at the next synchronisation as a device-side
-assertion (and the rows concerned get a nan loss). On the CPU the check is free and
-raises a ValueError at once.
+the out-of-range targets on the device (the count is also mean's divisor) and fails a
+device assertion if any target is out of range; like PyTorch's own loss, the error then
+surfaces at the next synchronisation as a device-side assertion (and the rows concerned
+get a nan loss). On the CPU the check is free and raises a ValueError at once. The
+reduction over rows is one more small kernel: the eager forward is three launches and the
+buffers' allocations, where torch ops for the count's check, the sum, the division and the
+cast cost a launch each (host time: benchmarks/host_overhead.py).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ CE_MAX_WARPS = 16
 # defaults above elsewhere): benchmarks/tune_loss.py ce, results/h100-80gb-hbm3/tune_ce.log; checked against the
 # default by benchmarks/check_ce_settings.py, results/h100-80gb-hbm3/check_ce_settings.log.
 CE_GRAD_BY_DEVICE = {"H100": (32768, 32)}
-TARGET_BLOCK = 1024  # targets counted per program by the check kernel
+TARGET_BLOCK = 1024  # targets counted a step by the check kernel
+REDUCE_BLOCK = 1024  # per-row losses summed a step by the reduction kernel
 
 
 def ce_settings(n_cols: int, with_grad: bool = True, device: torch.device | None = None) -> tuple[int, int]:
@@ -107,14 +110,34 @@ def ce_settings(n_cols: int, with_grad: bool = True, device: torch.device | None
 
 @triton.jit
 def _targets_kernel(target_ptr, counts_ptr, n_rows, n_cols, ignore_index, BLOCK: tl.constexpr):
-    """counts[0] += non-ignored targets, counts[1] += those outside [0, V)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n_rows
-    t = tl.load(target_ptr + offs, mask=inside, other=ignore_index).to(tl.int64)
-    valid = inside & (t != ignore_index)
-    bad = valid & ((t < 0) | (t >= n_cols))
-    tl.atomic_add(counts_ptr, tl.sum(valid.to(tl.int32), axis=0))
-    tl.atomic_add(counts_ptr + 1, tl.sum(bad.to(tl.int32), axis=0))
+    """counts = [non-ignored targets, those outside [0, V)], by one program (no zero-filled
+    buffer to add into); with ``debug=True`` a target outside [0, V) fails a device assertion."""
+    valid = tl.zeros([BLOCK], tl.int32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        t = tl.load(target_ptr + offs, mask=offs < n_rows, other=ignore_index).to(tl.int64)
+        ok = t != ignore_index
+        valid += ok.to(tl.int32)
+        bad += (ok & ((t < 0) | (t >= n_cols))).to(tl.int32)
+    n_bad = tl.sum(bad, axis=0)
+    tl.device_assert(n_bad == 0, "cross_entropy: a target is outside [0, V) and is not ignore_index")
+    tl.store(counts_ptr, tl.sum(valid, axis=0))
+    tl.store(counts_ptr + 1, n_bad)
+
+
+@triton.jit
+def _reduce_loss_kernel(rows_ptr, counts_ptr, out_ptr, n_rows, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the sum of the float32 per-row losses (over the count counts[0] for mean), in out's
+    dtype: one program, a fixed order (deterministic), one launch for what took four torch ops."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(rows_ptr + offs, mask=offs < n_rows, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if MEAN:
+        total = total / tl.load(counts_ptr).to(tl.float32)
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -163,8 +186,8 @@ def _cross_entropy_fwd_kernel(
     x_row_stride, grad_row_stride, scale_stride,
     n_cols, ignore_index, label_smoothing, z_loss, softcap,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, WRITE_PRED: tl.constexpr, ALL_ROWS: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SCALED: tl.constexpr, WRITE_GRAD: tl.constexpr, WRITE_PRED: tl.constexpr, ALL_ROWS: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -236,7 +259,7 @@ def _cross_entropy_fwd_kernel(
         # Neither a load ahead nor evict_first pays here (measured slower: CHANGELOG.md). The gradient
         # rows have x's stride (ALIGN is 1 otherwise), so the same positions address them.
         g_al = grad_ptr + row * grad_row_stride // ALIGN * ALIGN
-        scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+        scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32) if SCALED else 1.0
         if MEAN:
             scale = scale / tl.load(counts_ptr).to(tl.float32)
         p_coef = scale * (1.0 + 2.0 * z_loss * lse) if HAS_Z_LOSS else scale
@@ -288,16 +311,19 @@ def _cross_entropy_bwd_kernel(grad_ptr, dloss_ptr, grad_row_stride, dloss_stride
 
 def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
     """int32 [valid, out of range] counts of a flat target, on its device; raises (CPU) or
-    asserts on the device (CUDA, no sync) if a target is outside [0, n_cols)."""
-    counts = torch.zeros(2, dtype=torch.int32, device=target.device)
-    n = target.numel()
-    if n:
-        launch(_targets_kernel, (cdiv(n, TARGET_BLOCK),), target, counts, n, n_cols, ignore_index,
-               BLOCK=TARGET_BLOCK)
+    fails on the device (CUDA, no sync) if a target is outside [0, n_cols)."""
+    counts = torch.empty(2, dtype=torch.int32, device=target.device)
+    traced = tracing(counts)
+    # In eager on a GPU the kernel asserts itself (compiled with debug=True: its device_assert is
+    # kept), a launch less than torch._assert_async on the counts; traced, Inductor's own
+    # assertion stands in (it launches the kernel without Triton's debug option).
+    device_check = target.is_cuda and not traced
+    launch(_targets_kernel, (1,), target, counts, target.numel(), n_cols, ignore_index, BLOCK=TARGET_BLOCK,
+           **({"debug": True} if device_check else {}))
     message = f"cross_entropy: a target is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
-    if target.is_cuda:
+    if target.is_cuda and traced:
         torch._assert_async(counts[1] == 0, message)
-    elif not tracing(counts) and counts[1].item():  # (traced: no values to check; the run checks them)
+    elif not target.is_cuda and not traced and counts[1].item():  # (traced: no values to check; the run checks them)
         raise ValueError(message)
     return counts
 
@@ -307,8 +333,8 @@ def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reductio
     """Run the loss kernel over the rows of x2 [R, V] (unit column stride).
 
     Writes per-row loss (0 where ignored), lse (float32), pred (if not None) and, if
-    grad2 is not None, the gradient scaled by ``scale`` (a float32 scalar, or one value a
-    row) and by 1 / counts[0] for ``mean``; grad2 may be x2 itself.
+    grad2 is not None, the gradient scaled by ``scale`` (None: 1; a float32 scalar, or one
+    value a row) and by 1 / counts[0] for ``mean``; grad2 may be x2 itself.
     """
     rows, n_cols = x2.shape
     if rows == 0:
@@ -329,11 +355,12 @@ def ce_rows(x2, t, grad2, loss, lse, pred, counts, scale, ignore_index, reductio
     # benchmarks/check_ce_settings.py checks both kinds of row (results/h100-80gb-hbm3/check_ce_settings.log)
     block, num_warps = ce_settings(n_cols, write_grad, x2.device if align == 1 else None)
     launch(_cross_entropy_fwd_kernel, (rows,),
-        x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else x2, counts, scale,
-        x2.stride(0), grad2.stride(0) if write_grad else 0, scale.stride(0) if scale.dim() else 0,
+        x2, t, grad2 if write_grad else x2, loss, lse, pred if pred is not None else x2, counts,
+        scale if scale is not None else t,  # (a placeholder that is an input: see dispatch.triton_op)
+        x2.stride(0), grad2.stride(0) if write_grad else 0, scale.stride(0) if scale is not None and scale.dim() else 0,
         n_cols, ignore_index, label_smoothing, z_loss, softcap or 1.0,
         MEAN=reduction == "mean", HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss != 0,
-        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, WRITE_PRED=pred is not None,
+        HAS_SOFTCAP=softcap is not None, SCALED=scale is not None, WRITE_GRAD=write_grad, WRITE_PRED=pred is not None,
         ALL_ROWS=all_rows, ALIGN=align, BLOCK_N=block, num_warps=num_warps,
     )
 
@@ -342,8 +369,13 @@ def reduce_loss(loss_rows: Tensor, counts: Tensor, reduction: str, shape, dtype:
     """Per-row float32 losses -> the reduced loss, in ``dtype`` (deterministic: no atomics)."""
     if reduction == "none":
         return loss_rows.view(shape).to(dtype)
-    total = loss_rows.sum()
-    return (total / counts[0] if reduction == "mean" else total).to(dtype)
+    if loss_rows.requires_grad:  # (memory="low" differentiates its rows: torch's ops, which autograd knows)
+        total = loss_rows.sum()
+        return (total / counts[0] if reduction == "mean" else total).to(dtype)
+    loss = torch.empty((), dtype=dtype, device=loss_rows.device)
+    launch(_reduce_loss_kernel, (1,), loss_rows, counts, loss, loss_rows.numel(), MEAN=reduction == "mean",
+           BLOCK=REDUCE_BLOCK)
+    return loss
 
 
 def _fwd_launch(x, target, grad_buffer, ignore_index, reduction, label_smoothing, z_loss, softcap, return_pred,
@@ -356,9 +388,8 @@ def _fwd_launch(x, target, grad_buffer, ignore_index, reduction, label_smoothing
     loss_rows = torch.empty(rows, dtype=torch.float32, device=x.device)
     lse = torch.empty(target.shape, dtype=torch.float32, device=x.device)
     pred = torch.empty(target.shape if return_pred else 0, dtype=torch.int64, device=x.device)
-    one = torch.ones((), dtype=torch.float32, device=x.device)
     grad2 = grad_buffer.view(rows, n_cols) if grad_buffer is not None else None
-    ce_rows(x2, t, grad2, loss_rows, lse, pred if return_pred else None, counts, one, ignore_index, reduction,
+    ce_rows(x2, t, grad2, loss_rows, lse, pred if return_pred else None, counts, None, ignore_index, reduction,
             label_smoothing, z_loss, softcap, all_rows)
     return reduce_loss(loss_rows, counts, reduction, target.shape, x.dtype), lse, pred
 

@@ -111,7 +111,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
     padded = weight.shape[0]
     d_weight = alloc((padded, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
     d_bias = torch.zeros(padded, dtype=torch.float32, device=dev) if need_db else None
-    scale = flat(dloss) if dloss is not None else torch.ones((), dtype=torch.float32, device=dev)
+    scale = flat(dloss) if dloss is not None else None
     chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else weight.dtype, chunk_size)
     buf = torch.empty((min(chunk, n_tokens), padded), dtype=hidden.dtype, device=dev)
     w_t = weight.t()
@@ -124,8 +124,8 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
             torch.addmm(bias, h_c, w_t, out=z)
         ce_rows(z[:, :n_vocab], t[start:end], z[:, :n_vocab] if any_grad else None, loss_rows[start:end],
                 lse[start:end], pred[start:end] if return_pred else None, counts,
-                scale[start:end] if scale.dim() else scale, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                all_rows)  # read z, write dz over it
+                scale[start:end] if scale is not None else None, ignore_index, reduction, label_smoothing, z_loss,
+                softcap, all_rows)  # read z, write dz over it
         backprop_head_chunk(z, h_c, weight, d_hidden[start:end] if need_dh else None, d_weight, d_bias, start == 0)
     buf = z = None  # the logits buffer is not held through the cast of the dW accumulator below
     loss = reduce_loss(loss_rows, counts, reduction, target.shape, loss_dtype)

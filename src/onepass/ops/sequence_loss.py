@@ -176,8 +176,7 @@ def _logps_rows(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, t: 
         torch.addmm(bias, h, weight.t(), beta=1 / temperature, out=z)
     nll = torch.empty(n, dtype=torch.float32, device=h.device)
     lse = torch.empty(n, dtype=torch.float32, device=h.device)
-    one = torch.ones((), dtype=torch.float32, device=h.device)
-    ce_rows(z[:, :n_vocab], t, None, nll, lse, None, counts, one, ignore_index, "none", 0.0, 0.0, None, False)
+    ce_rows(z[:, :n_vocab], t, None, nll, lse, None, counts, None, ignore_index, "none", 0.0, 0.0, None, False)
     return z, -nll, lse
 
 
