@@ -6,9 +6,9 @@ ce: cross_entropy forward with the gradient (its backward is free for an upstrea
 gradient of 1) at 8192 x 128256 bf16, per (block, warps), with the kernel's
 registers and spills, checked against PyTorch, beside Liger in the same run
 (GB/s count one read of the logits and one write; "kernels" is the GPU time alone).
-lce: at 8192 tokens, hidden 2048, vocab 128256 bf16, each GEMM of a chunk (the logits,
-dx, and dW with its accumulator choices), then the whole op per (chunk, accum_dtype)
-with its peak memory, beside the three full matmuls.
+lce: at the LM heads of issue 33 (8192 tokens x hidden x vocab: Qwen2-7B's, Gemma-2-2B's, Llama-3's),
+each piece of a chunk (the logits GEMM, the cross-entropy kernel, dx, and dW with its accumulator
+choices), then the whole op per (chunk, accum_dtype) with its peak memory, beside the three full matmuls.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from onepass.bench.harness import kernel_ms, measure_ceilings
 
 ce = importlib.import_module("onepass.ops.cross_entropy")
 dispatch = importlib.import_module("onepass.ops.dispatch")
-TOKENS, HIDDEN, VOCAB = 8192, 2048, 128256
+TOKENS, VOCAB = 8192, 128256  # ce
+LCE_HEADS = ((8192, 4096, 151936), (8192, 2304, 256000), (8192, 4096, 128256))
 
 
 def bench(fn):
@@ -77,7 +78,9 @@ def sweep_ce(copy):
         print("ce liger: not importable:", err)
 
 
-def time_lce_pieces(matmul_tflops):
+def time_lce_pieces(matmul_tflops, tokens, hidden, vocab):
+    TOKENS, HIDDEN, VOCAB = tokens, hidden, vocab  # noqa: N806 (the module's names, for this head)
+    print(f"lce head {tokens} x {hidden} x {vocab}", flush=True)
     dev, bf = "cuda", torch.bfloat16
     w = torch.randn(VOCAB, HIDDEN, device=dev, dtype=bf) * 0.02
     h_all = torch.randn(TOKENS, HIDDEN, device=dev, dtype=bf)
@@ -88,11 +91,16 @@ def time_lce_pieces(matmul_tflops):
           f"measured ceiling {matmul_tflops:.0f})")
     acc32 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=torch.float32)
     acc16 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=bf)
-    for c in (512, 1024, 2048):
+    t = torch.randint(0, VOCAB, (TOKENS,), device=dev)
+    for c in (640, 1024, 2048):
         h, g = h_all[:c], torch.randn(c, VOCAB, device=dev, dtype=bf)
         flops = 2 * c * HIDDEN * VOCAB
+        rows_f32, lse_f32 = torch.empty(c, device=dev), torch.empty(c, device=dev)
+        counts = torch.ones(2, device=dev, dtype=torch.int32)
         rows = [
             ("logits h@W^T", lambda: torch.mm(h, w.t(), out=g)),
+            ("ce kernel", lambda: ce.ce_rows(g, t[:c], g, rows_f32, lse_f32, None, counts, None, -100, "mean", 0.0,
+                                             0.0, None, False)),
             ("dx g@W", lambda: g @ w),
             ("dW bf16 beta=0", lambda: torch.mm(g.t(), h, out=acc16)),
             ("dW bf16 beta=1", lambda: acc16.addmm_(g.t(), h)),
@@ -102,9 +110,7 @@ def time_lce_pieces(matmul_tflops):
         for name, fn in rows:
             ms = bench(fn)
             print(f"lce chunk={c:<5} {name:<16} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s", flush=True)
-    t = torch.randint(0, VOCAB, (TOKENS,), device=dev)
-    for chunk, accum in ((1024, torch.float32), (2048, torch.float32), (4096, torch.float32),
-                         (512, bf), (1024, bf), (2048, bf)):
+    for chunk, accum in ((2048, torch.float32), (512, bf), (640, bf), (768, bf), (1024, bf), (2048, bf)):
         hh = h_all.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
 
@@ -130,7 +136,8 @@ def main():
     if "ce" in which:
         sweep_ce(ceilings.copy_gbps)
     if "lce" in which:
-        time_lce_pieces(ceilings.matmul_tflops)
+        for head in LCE_HEADS:
+            time_lce_pieces(ceilings.matmul_tflops, *head)
 
 
 if __name__ == "__main__":
