@@ -147,7 +147,7 @@ def _synthetic(tmp_path):
               check={"passed": False, "errors": {"output 0": 0.5}}),
         _cell("rms_norm", "fwd", {"rows": 65536, "hidden": 5120}, {}, skipped="time budget: 5 minutes spent"),
         _cell("linear_cross_entropy", "fwd+bwd", {"hidden": 4096, "vocab": 128256},
-              {"onepass": (20.0, 19.0), "onepass_bf16_accum": (10.0, 9.0), "three_matmuls": (15.0, 15.0),
+              {"onepass": (20.0, 19.0), "onepass_fp32_accum": (10.0, 9.0), "three_matmuls": (15.0, 15.0),
                "eager": (40.0, 39.0)}),
     ]
     path = tmp_path / "sweep-quick.json"
@@ -159,7 +159,7 @@ def test_the_ratio_is_the_best_peers_time_over_onepasss_and_ignores_its_own_vari
     cells = json.loads(_synthetic(tmp_path).read_text())["cells"]
     assert sweep.ratio(cells[0], "gpu_ms") == pytest.approx((0.08 / 0.09, "torch.compile"))
     assert sweep.ratio(cells[0], "ms") == pytest.approx((0.12 / 0.10, "torch.compile"))
-    assert sweep.ratio(cells[4], "ms") == (2.0, "eager")  # not onepass_bf16_accum, not the three matmuls
+    assert sweep.ratio(cells[4], "ms") == (2.0, "eager")  # not onepass_fp32_accum, not the three matmuls
     assert sweep.ratio(cells[2], "ms") is None
 
 

@@ -138,11 +138,26 @@ def test_low_memory_half_precision_lse_and_pred(dtype, device, small_blocks):
 
 def test_chunk_size_from_the_accumulator():
     # 512 x accumulator bytes, evened out over the chunks, multiples of 64
-    assert chunk_tokens(8192, torch.float32) == 2048
-    assert chunk_tokens(8192, torch.bfloat16) == 1024
-    assert chunk_tokens(3000, torch.float32) == 1536  # 2 chunks of 1500, rounded up to 64
-    assert chunk_tokens(100, torch.float32) == 100  # one chunk
-    assert chunk_tokens(100, torch.float32, chunk_size=7) == 7
+    assert chunk_tokens(8192, torch.float32, 4096) == 2048
+    assert chunk_tokens(8192, torch.bfloat16, 4096) == 1024
+    assert chunk_tokens(3000, torch.float32, 4096) == 1536  # 2 chunks of 1500, rounded up to 64
+    assert chunk_tokens(100, torch.float32, 4096) == 100  # one chunk
+    assert chunk_tokens(100, torch.float32, 4096, chunk_size=7) == 7
+    # a 16-bit accumulator: the logits buffer at most a third of the weight (H / 3), not under 512 tokens
+    assert chunk_tokens(8192, torch.bfloat16, 2304) == 768
+    assert chunk_tokens(8192, torch.bfloat16, 768) == 512
+    assert chunk_tokens(8192, torch.float32, 768) == 2048
+
+
+def test_default_accumulates_in_the_weight_dtype(device):
+    """accum_dtype=None (the default) is the weight's dtype: the same gradients as asking for it."""
+    h, w, _, t = _inputs(12, 32, 40, torch.bfloat16, device)
+    grads = []
+    for accum in (None, torch.bfloat16):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ops.linear_cross_entropy(hh, ww, t, chunk_size=5, accum_dtype=accum).backward()
+        grads.append((hh.grad, ww.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 def test_second_backward_raises(device):
@@ -267,7 +282,7 @@ def test_gpu_peak_memory(accum_dtype):
     tokens, hidden, vocab = 8192, 2048, 128256
     extra, loss, dh, dw, _ = _gpu_peak_above_inputs(tokens, hidden, vocab, accum_dtype=accum_dtype)
     acc_bytes = torch.finfo(accum_dtype).bits // 8
-    chunk = chunk_tokens(tokens, accum_dtype)
+    chunk = chunk_tokens(tokens, accum_dtype, hidden)
     grads = 2 * tokens * hidden + 2 * vocab * hidden  # dh, dw (bf16)
     budget = grads + chunk * vocab * 2 + (acc_bytes * vocab * hidden if accum_dtype == torch.float32 else 0)
     budget = int(budget * 1.02) + 2**26  # per-token vectors, cuBLAS workspace

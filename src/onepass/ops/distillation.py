@@ -46,9 +46,9 @@ read both rows once and write the gradient, C V (2 s + s'); the kernel reads the
 hard only) or 3 times. The four GEMMs (6 C V Hs flops for the student's logits, dx and dW,
 2 C V Ht for the teacher's logits) dominate at LM-head sizes.
 
-Memory above the inputs and the gradients: the two [C, V] logits buffers, the float32 dW
-accumulator and its cast (see linear_cross_entropy.py); ``accum_dtype=weight.dtype`` drops the
-accumulator. Rows whose length is not a multiple of 16 bytes are read element by element (no
+Memory above the inputs and the gradients: the two [C, V] logits buffers (see
+linear_cross_entropy.py for the chunk), and with ``accum_dtype=torch.float32`` the float32 dW
+accumulator and its cast. Rows whose length is not a multiple of 16 bytes are read element by element (no
 head/tail split as in cross_entropy.py: LM vocabularies are padded to such multiples).
 """
 
@@ -310,7 +310,7 @@ def _jsd_launch(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, 
     padded = s_weight.shape[0]
     d_weight = alloc((padded, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
     d_bias = torch.zeros(padded, dtype=torch.float32, device=dev) if need_db else None
-    chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else s_weight.dtype, chunk_size)
+    chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else s_weight.dtype, s_weight.shape[1], chunk_size)
     rows = min(chunk, n_tokens)
     z_buf = torch.empty((rows, padded), dtype=s_hidden.dtype, device=dev)
     y_buf = torch.empty((rows, padded), dtype=t_hidden.dtype, device=dev) if soft else None
@@ -406,8 +406,8 @@ def _check(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, weigh
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if accum_dtype not in (torch.float32, s_weight.dtype):
-        raise TypeError(f"accum_dtype must be torch.float32 or the student weight's dtype {s_weight.dtype}, "
+    if accum_dtype not in (None, torch.float32, s_weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or the student weight's dtype {s_weight.dtype}, "
                         f"got {accum_dtype}")
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
@@ -420,7 +420,7 @@ def linear_jsd_loss(student_hidden: Tensor, student_weight: Tensor, teacher_hidd
                     teacher_bias: Tensor | None = None, *, weight_hard_loss: float = 0.5,
                     weight_soft_loss: float = 0.5, beta: float = 0.5, ignore_index: int = -100,
                     temperature: float = 1.0, chunk_size: int | None = None,
-                    accum_dtype: torch.dtype = torch.float32) -> Tensor:
+                    accum_dtype: torch.dtype | None = None) -> Tensor:
     """Distillation loss through both LM heads without the [tokens, V] logits (Liger's
     ``LigerFusedLinearJSDLoss``, hidden states first; the semantics in the module docstring).
 
@@ -447,5 +447,5 @@ def linear_jsd_loss(student_hidden: Tensor, student_weight: Tensor, teacher_hidd
              grad_on and student_bias is not None and student_bias.requires_grad)
     loss, *_ = _jsd_fwd(student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(), target,
                         student_bias, teacher_bias.detach() if teacher_bias is not None else None, *options, *needs,
-                        chunk_size or 0, accum_dtype)
+                        chunk_size or 0, student_weight.dtype if accum_dtype is None else accum_dtype)
     return loss

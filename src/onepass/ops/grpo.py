@@ -55,7 +55,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, attentio
                      max_completion_length: int | None = None, importance_sampling_level: str = "token",
                      temperature: float = 1.0, delta: float | None = None,
                      num_items_in_batch: int | Tensor | None = None, chunk_size: int | None = None,
-                     accum_dtype: torch.dtype = torch.float32):
+                     accum_dtype: torch.dtype | None = None):
     """The GRPO loss of completions ``token_ids`` [B, S] (``attention_mask``: 1 on the tokens that
     count) with ``advantages`` [B], from the policy's last hidden states [B, S, H] and LM head.
 

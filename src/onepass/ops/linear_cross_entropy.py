@@ -20,16 +20,16 @@ Chunk size: each chunk's dW GEMM reads and writes the whole [V, H] accumulator f
 H flops, i.e. C / (accumulator element size) flop per byte. Below the GPU's ridge (flop per
 byte of HBM, ~200-300 on Hopper) that traffic does not hide under the math; C = 512 x the
 element size (2048 tokens for float32, 1024 for a 16-bit accumulator) does (benchmarks/tune_loss.py
-lce; no committed table, the numbers are in CHANGELOG.md). The logits buffer is freed before the
-accumulator's final cast, so with float32 the peak is the accumulator plus the larger of
-the buffer and the cast: a 2048-token buffer (C V s = 0.5 GiB at this shape) costs no more
-than the cast.
+lce, results/h100-80gb-hbm3/tune_lce.log). With a 16-bit accumulator C is also at most H / 3
+(not under 512), so the [C, V] buffer stays under a third of the weight.
 
 Memory above the inputs and the gradients themselves: the [C, V] logits buffer (C V s
-bytes), plus the float32 dW accumulator (4 V H bytes) and its final cast. Liger
-accumulates dW in the weight's dtype with C ~ 256, which is why its peak is lower;
-``accum_dtype=weight.dtype`` does the same here (C = 1024 by default, and no final cast),
-at the cost of T / C roundings of dW to 16 bits.
+bytes). By default dW is accumulated in the weight's dtype, as Liger does, at the cost of T / C
+roundings of dW to 16 bits (H100, Llama-3's head, 8192 tokens: relative error 1.33e-3 against a
+float32 reference, where the one rounding of a float32 sum gives 1.12e-3;
+benchmarks/lce_accumulation_error.py). ``accum_dtype=torch.float32`` accumulates in a float32
+buffer (4 V H bytes) and casts it at the end: the logits buffer is freed before that cast, so the
+peak is the accumulator plus the larger of the buffer and the cast.
 
 The cross-entropy kernel runs on the GEMMs' stream: cuBLAS's GEMMs here are persistent (one CTA
 an SM), so a second stream never shares the GPU with them and was slower
@@ -74,14 +74,23 @@ MEMORY_MODES = ("default", "low")
 # (sets the chunk: 512 x accumulator element size tokens), and the chunk rounding.
 WGRAD_FLOP_PER_BYTE = 512
 CHUNK_MULTIPLE = 64
+# With a 16-bit accumulator the [C, V] logits buffer is kept to a third of the weight (C <= H / 3,
+# at least MIN_CHUNK tokens), so the peak stays near the weight's gradient (H100, Gemma-2-2B's
+# head: 1.50 GiB at C = 768 against 1.62 at 1024, Liger 1.20; results/h100-80gb-hbm3/tune_lce.log).
+# A float32 accumulator is already twice the weight: its chunk keeps the dW GEMM's intensity.
+BUFFER_SHARE_OF_WEIGHT = 3
+MIN_CHUNK = 512
 
 
-def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, chunk_size: int | None = None) -> int:
+def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, n_hidden: int, chunk_size: int | None = None) -> int:
     """Tokens per chunk: ``chunk_size`` if given, else the smallest chunk that keeps the
-    weight-gradient GEMM compute-bound, evened out over the chunks so the last is not tiny."""
+    weight-gradient GEMM compute-bound (with a 16-bit accumulator at most a third of the
+    weight's size of logits), evened out over the chunks so the last is not tiny."""
     if chunk_size:
         return max(1, min(chunk_size, n_tokens))
     target = WGRAD_FLOP_PER_BYTE * torch.finfo(acc_dtype).bits // 8
+    if acc_dtype != torch.float32:
+        target = min(target, max(MIN_CHUNK, n_hidden // BUFFER_SHARE_OF_WEIGHT // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
     n_chunks = max(1, cdiv(n_tokens, target))
     even = cdiv(cdiv(n_tokens, n_chunks), CHUNK_MULTIPLE) * CHUNK_MULTIPLE
     return max(1, min(even, n_tokens))
@@ -112,7 +121,7 @@ def _lce_launch(hidden, weight, target, bias, dloss, ignore_index, reduction, la
     d_weight = alloc((padded, n_hidden), dtype=accum_dtype, device=dev) if need_dw else None
     d_bias = torch.zeros(padded, dtype=torch.float32, device=dev) if need_db else None
     scale = flat(dloss) if dloss is not None else None
-    chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else weight.dtype, chunk_size)
+    chunk = chunk_tokens(n_tokens, accum_dtype if need_dw else weight.dtype, n_hidden, chunk_size)
     buf = torch.empty((min(chunk, n_tokens), padded), dtype=hidden.dtype, device=dev)
     w_t = weight.t()
     for start in range(0, n_tokens, chunk):
@@ -216,8 +225,9 @@ def _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype, me
     if hidden.dim() == 0:
         raise ValueError("hidden must have at least one dimension (the features)")
     check_linear("hidden", hidden, "weight", weight, "bias", bias, out_name="vocab")
-    if accum_dtype not in (torch.float32, weight.dtype):
-        raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
+    if accum_dtype not in (None, torch.float32, weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or the weight's dtype {weight.dtype}, "
+                        f"got {accum_dtype}")
     check_dtype_option("loss_dtype", loss_dtype)
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
@@ -228,7 +238,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: float | None = None, *, return_lse: bool = False,
                          return_pred: bool = False, chunk_size: int | None = None,
-                         accum_dtype: torch.dtype = torch.float32, loss_dtype: torch.dtype | None = None,
+                         accum_dtype: torch.dtype | None = None, loss_dtype: torch.dtype | None = None,
                          memory: str = "default"):
     """``cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the full logits.
 
@@ -236,7 +246,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     returns are those of :func:`onepass.ops.cross_entropy` (the logits are computed in
     hidden's dtype, as F.linear does). ``chunk_size`` overrides the tokens per chunk
     (default: chosen from the accumulator, see the module docstring); ``accum_dtype`` is
-    the dtype dW is accumulated in across chunks: float32 (default) or the weight's.
+    the dtype dW is accumulated in across chunks: the weight's (None, the default, as Liger
+    does: T / C roundings of the sum to 16 bits) or float32 (one rounding, for twice the
+    weight's memory).
     ``loss_dtype``: the loss's dtype, hidden's by default (as ``F.cross_entropy(F.linear(...))``
     gives it); torch.float32 gives Hugging Face's causal-LM loss, which upcasts the logits (a
     sum over many tokens overflows float16). The loss is computed in float32 either way.
@@ -269,7 +281,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
              grad_on and bias is not None and bias.requires_grad)
     loss, lse, pred, *_ = _lce_fwd(hidden, weight, target, bias, *args, *needs, return_pred,
-                                   return_lse or return_pred, chunk_size or 0, accum_dtype, loss_dtype or hidden.dtype)
+                                   return_lse or return_pred, chunk_size or 0,
+                                   weight.dtype if accum_dtype is None else accum_dtype, loss_dtype or hidden.dtype)
     if not (return_lse or return_pred):
         return loss
     return loss, (lse if return_lse else None), (pred if return_pred else None)

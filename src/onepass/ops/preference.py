@@ -126,7 +126,7 @@ def linear_dpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor
                     ref_bias: Tensor | None = None, *, beta: float = 0.1, loss_type: str = "sigmoid",
                     label_smoothing: float = 0.0, discopop_tau: float = 0.05, average_log_prob: bool = False,
                     compute_nll_loss: bool = False, alpha: float = 1.0, ignore_index: int = -100,
-                    chunk_size: int | None = None, accum_dtype: torch.dtype = torch.float32):
+                    chunk_size: int | None = None, accum_dtype: torch.dtype | None = None):
     """Direct Preference Optimization (Rafailov et al. 2023) through the LM head, TRL's DPOTrainer losses.
 
     With ``ref_hidden`` and ``ref_weight`` (the reference model's last hidden states and head) the
@@ -168,7 +168,7 @@ def _odds_pair_losses(beta: float):
 def linear_orpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
                      beta: float = 0.1, compute_nll_loss: bool = True, alpha: float = 1.0,
                      ignore_index: int = -100, chunk_size: int | None = None,
-                     accum_dtype: torch.dtype = torch.float32):
+                     accum_dtype: torch.dtype | None = None):
     """Odds Ratio Preference Optimization (Hong et al. 2024) through the LM head, TRL's ORPOTrainer:
     the chosen tokens' mean negative log-likelihood (x ``alpha``, if ``compute_nll_loss``) minus
     beta x the mean log-sigmoid of the log odds ratio of per-token-averaged log-probs.
@@ -210,7 +210,7 @@ def _reward_free(hidden, weight, target, bias, *, beta, gamma, label_smoothing, 
 def linear_simpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
                       beta: float = 0.1, gamma: float = 0.5, label_smoothing: float = 0.0,
                       compute_nll_loss: bool = False, alpha: float = 1.0, ignore_index: int = -100,
-                      chunk_size: int | None = None, accum_dtype: torch.dtype = torch.float32):
+                      chunk_size: int | None = None, accum_dtype: torch.dtype | None = None):
     """Simple Preference Optimization (Meng et al. 2024) through the LM head, TRL's CPOTrainer with
     loss_type="simpo": -log sigmoid(beta (chosen - rejected) - gamma) on per-token-averaged
     log-probs, no reference model. Returns as :func:`linear_dpo_loss` does (its first seven)."""
@@ -222,7 +222,7 @@ def linear_simpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tens
 def linear_cpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
                     beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
                     compute_nll_loss: bool = True, average_log_prob: bool = False, ignore_index: int = -100,
-                    chunk_size: int | None = None, accum_dtype: torch.dtype = torch.float32):
+                    chunk_size: int | None = None, accum_dtype: torch.dtype | None = None):
     """Contrastive Preference Optimization (Xu et al. 2024) through the LM head, TRL's CPOTrainer
     (loss_type="sigmoid"): -log sigmoid(beta (chosen - rejected)) of summed log-probs, plus
     ``alpha`` x the chosen tokens' mean negative log-likelihood. Returns as
@@ -237,7 +237,7 @@ def linear_kto_loss(hidden: Tensor, weight: Tensor, target: Tensor, preference_l
                     ref_bias: Tensor | None = None, kl: Tensor | float | None = None, *, beta: float = 0.1,
                     desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
                     average_log_prob: bool = False, ignore_index: int = -100, chunk_size: int | None = None,
-                    accum_dtype: torch.dtype = torch.float32):
+                    accum_dtype: torch.dtype | None = None):
     """Kahneman-Tversky Optimization (Ethayarajh et al. 2024) through the LM head, TRL's KTOTrainer:
     unpaired sequences, ``preference_labels`` [B] (True: desirable). With r the log-ratio to the
     reference model (the log-prob itself without one) and ``kl`` the batch's KL estimate (a

@@ -100,15 +100,16 @@ def check_inputs(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | 
         check_same_device(**{name: hidden, "ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias})
 
 
-def check_engine_options(temperature: float, chunk_size: int | None, accum_dtype: torch.dtype,
+def check_engine_options(temperature: float, chunk_size: int | None, accum_dtype: torch.dtype | None,
                          weight: Tensor) -> None:
     if not (is_number(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1 (tokens), got {chunk_size!r}")
     check_dtype_option("accum_dtype", accum_dtype)
-    if accum_dtype not in (torch.float32, weight.dtype):
-        raise TypeError(f"accum_dtype must be torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}")
+    if accum_dtype not in (None, torch.float32, weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or the weight's dtype {weight.dtype}, "
+                        f"got {accum_dtype}")
 
 
 def _chunks(batch: int, paired: bool, seq: int, target_tokens: int, device) -> list[tuple[Tensor, slice | None]]:
@@ -287,7 +288,7 @@ def _reference(hidden, weight, bias, target, ref, loss_of, temperature, ignore_i
 
 def sequence_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, loss_of: LossOf, *,
                   paired: bool, ref: tuple | None = None, temperature: float = 1.0, ignore_index: int = -100,
-                  chunk_size: int | None = None, accum_dtype: torch.dtype = torch.float32):
+                  chunk_size: int | None = None, accum_dtype: torch.dtype | None = None):
     """(loss, logps [B, S], ref_logps [B, S] or None, logit_sums [B]) for ``loss_of`` of the
     per-token log-probs of ``target`` under ``hidden @ weight.T + bias`` (over ``temperature``);
     logps are 0 at ignored tokens. ``paired``: row i and row i + B/2 are one unit (chosen and
@@ -297,10 +298,11 @@ def sequence_loss(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor |
     if not use_triton(hidden):
         return _reference(hidden, weight, bias, target, ref, loss_of, temperature, ignore_index)
     batch, seq = target.shape
+    accum_dtype = weight.dtype if accum_dtype is None else accum_dtype
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
              grad_on and bias is not None and bias.requires_grad)
-    target_tokens = chunk_tokens(batch * seq, accum_dtype if needs[1] else weight.dtype, chunk_size)
+    target_tokens = chunk_tokens(batch * seq, accum_dtype if needs[1] else weight.dtype, weight.shape[1], chunk_size)
     chunks = _chunks(batch, paired, seq, target_tokens, hidden.device)
 
     def run():

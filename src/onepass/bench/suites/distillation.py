@@ -33,7 +33,7 @@ def _make_linear_jsd():
     liger_jsd = liger("liger_kernel.chunked_loss", "LigerFusedLinearJSDLoss")
     return variants(
         onepass=fwd_bwd(ops.linear_jsd_loss, *args, beta=BETA),
-        onepass_bf16_accum=fwd_bwd(ops.linear_jsd_loss, *args, beta=BETA, accum_dtype=DTYPE),
+        onepass_fp32_accum=fwd_bwd(ops.linear_jsd_loss, *args, beta=BETA, accum_dtype=torch.float32),
         eager=fwd_bwd(reference.linear_jsd_loss, *args, beta=BETA),
         torch_compile=fwd_bwd(compiled(reference.linear_jsd_loss), *args, beta=BETA),
         liger=fwd_bwd(liger_jsd(beta=BETA), *args) if liger_jsd else None,

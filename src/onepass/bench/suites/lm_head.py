@@ -1,7 +1,7 @@
 """The LM head and its loss (linear_cross_entropy) at real heads, fwd+bwd, bf16, peak memory:
 Qwen2-7B's (8192 tokens x 4096 x 151936), Gemma-2-2B's (8192 x 2304 x 256000) and Llama-3's
-(8192 x 4096 x 128256). onepass's default (float32 dW accumulator), memory="low" (four matmuls,
-no accumulator) and the bf16 accumulator, against torch.compile of Hugging Face's loss, Liger's
+(8192 x 4096 x 128256). onepass's default (dW accumulated in bf16), memory="low" (four matmuls,
+no accumulator) and the float32 accumulator, against torch.compile of Hugging Face's loss, Liger's
 fused linear cross-entropy and Apple's Cut Cross-Entropy (``cut-cross-entropy``, its default
 gradient filter); the three matmuls alone are the floor.
 """
@@ -31,7 +31,7 @@ def _make(tokens: int, hidden_size: int, vocab: int):
         return variants(
             onepass=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target),
             onepass_low_memory=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, memory="low"),
-            onepass_bf16_accum=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=DTYPE),
+            onepass_fp32_accum=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=torch.float32),
             three_matmuls=fwd(three_matmuls, hidden.detach(), weight.detach()),
             torch_compile=fwd_bwd(compiled(hf_linear_cross_entropy), hidden, weight, target),
             liger=fwd_bwd(liger_flce, hidden, weight, target) if liger_flce else None,

@@ -65,7 +65,7 @@ def _make_linear_cross_entropy(tokens: int, width: int, vocab: int):
         liger_flce = liger("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
         return variants(
             onepass=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target),
-            onepass_bf16_accum=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=DTYPE),
+            onepass_fp32_accum=fwd_bwd(ops.linear_cross_entropy, hidden, weight, target, accum_dtype=torch.float32),
             three_matmuls=fwd(three_matmuls, hidden.detach(), weight.detach()),
             eager=fwd_bwd(hf_linear_cross_entropy, hidden, weight, target),
             torch_compile=fwd_bwd(compiled(hf_linear_cross_entropy), hidden, weight, target),

@@ -1,8 +1,8 @@
 """The post-training losses through the LM head at a Llama-3-8B head (hidden 4096, vocab 128256),
 8 sequences of 1024 tokens (4 chosen then 4 rejected; GRPO: 8 completions), bf16, fwd+bwd:
 onepass against Liger-Kernel's chunked loss modules (compiled, as Liger runs them by default)
-and torch.compile of the plain definition (onepass_bf16_accum: dW accumulated in bf16 across
-chunks, as Liger does, for its memory); the matmuls alone are the floor (the policy's
+and torch.compile of the plain definition (onepass's default accumulates dW in bf16 across
+chunks, as Liger does; onepass_fp32_accum in float32); the matmuls alone are the floor (the policy's
 three, plus the reference model's logits where the loss reads a reference model).
 
 Each sequence's first 128 tokens are its prompt (ignored); GRPO's completions end at random
@@ -76,8 +76,8 @@ def _make_dpo():
     liger_dpo = module(beta=0.1) if module else None
     return variants(
         onepass=fwd_bwd(ops.linear_dpo_loss, hidden, weight, target, None, ref_hidden, ref_weight, beta=0.1),
-        onepass_bf16_accum=fwd_bwd(ops.linear_dpo_loss, hidden, weight, target, None, ref_hidden, ref_weight,
-                                   beta=0.1, accum_dtype=DTYPE),
+        onepass_fp32_accum=fwd_bwd(ops.linear_dpo_loss, hidden, weight, target, None, ref_hidden, ref_weight,
+                                   beta=0.1, accum_dtype=torch.float32),
         matmuls=fwd(_floor(hidden, weight, ref_hidden, ref_weight)),
         torch_compile=fwd_bwd(compiled(plain_dpo), hidden, weight, target, ref_hidden, ref_weight),
         liger=fwd_bwd(lambda h, w: liger_dpo(w, h, target, None, ref_hidden, ref_weight), hidden, weight)
@@ -92,7 +92,7 @@ def _make_reference_free(ours, liger_name: str):
         theirs = module() if module else None
         return variants(
             onepass=fwd_bwd(ours, hidden, weight, target),
-            onepass_bf16_accum=fwd_bwd(ours, hidden, weight, target, accum_dtype=DTYPE),
+            onepass_fp32_accum=fwd_bwd(ours, hidden, weight, target, accum_dtype=torch.float32),
             matmuls=fwd(_floor(hidden, weight)),
             liger=fwd_bwd(lambda h, w: theirs(w, h, target), hidden, weight) if theirs else None,
         )
@@ -108,8 +108,8 @@ def _make_kto():
     theirs = module(use_ref_model=True) if module else None
     return variants(
         onepass=fwd_bwd(ops.linear_kto_loss, hidden, weight, target, labels, None, ref_hidden, ref_weight, kl=kl),
-        onepass_bf16_accum=fwd_bwd(ops.linear_kto_loss, hidden, weight, target, labels, None, ref_hidden,
-                                   ref_weight, kl=kl, accum_dtype=DTYPE),
+        onepass_fp32_accum=fwd_bwd(ops.linear_kto_loss, hidden, weight, target, labels, None, ref_hidden,
+                                   ref_weight, kl=kl, accum_dtype=torch.float32),
         matmuls=fwd(_floor(hidden, weight, ref_hidden, ref_weight)),
         liger=fwd_bwd(lambda h, w: theirs(h, w, target, None, labels, ref_hidden, ref_weight, None, kl),
                       hidden, weight) if theirs else None,
@@ -127,8 +127,8 @@ def _make_grpo():
     return variants(
         onepass=fwd_bwd(ops.linear_grpo_loss, hidden, weight, token_ids, mask, advantages, None,
                         ref_hidden=ref_hidden, ref_weight=ref_weight),
-        onepass_bf16_accum=fwd_bwd(ops.linear_grpo_loss, hidden, weight, token_ids, mask, advantages, None,
-                                   ref_hidden=ref_hidden, ref_weight=ref_weight, accum_dtype=DTYPE),
+        onepass_fp32_accum=fwd_bwd(ops.linear_grpo_loss, hidden, weight, token_ids, mask, advantages, None,
+                                   ref_hidden=ref_hidden, ref_weight=ref_weight, accum_dtype=torch.float32),
         matmuls=fwd(_floor(hidden, weight, ref_hidden, ref_weight)),
         torch_compile=fwd_bwd(compiled(plain_grpo), hidden, weight, token_ids, mask, advantages, ref_hidden,
                               ref_weight),
