@@ -1,6 +1,6 @@
 """Sweep the cross-entropy kernel's settings and time the pieces of linear_cross_entropy on a GPU.
 
-    python benchmarks/tune_loss.py [ce] [lce]
+    python benchmarks/tune_loss.py [ce] [lce] [lce-chunks]
 
 ce: cross_entropy forward with the gradient (its backward is free for an upstream
 gradient of 1) at 8192 x 128256 bf16, per (block, warps), with the kernel's
@@ -9,6 +9,7 @@ registers and spills, checked against PyTorch, beside Liger in the same run
 lce: at the LM heads of issue 33 (8192 tokens x hidden x vocab: Qwen2-7B's, Gemma-2-2B's, Llama-3's),
 each piece of a chunk (the logits GEMM, the cross-entropy kernel, dx, and dW with its accumulator
 choices), then the whole op per (chunk, accum_dtype) with its peak memory, beside the three full matmuls.
+lce-chunks: the whole op per chunk (bf16 accumulator) at hidden 2304 and 4096, in long runs, beside torch.compile.
 """
 
 from __future__ import annotations
@@ -129,6 +130,30 @@ def time_lce_pieces(matmul_tflops, tokens, hidden, vocab):
               f"({ms / ms3:.3f}x the three matmuls) peak above inputs {peak:.2f} GiB", flush=True)
 
 
+def time_lce_chunks(tokens, hidden, vocab, chunks=(768, 1024, 1536, 2048)):
+    """The whole op per chunk with the default (bf16) accumulator, long runs (a ~50 ms step varies
+    by ~8% over do_bench's default 100 ms), beside torch.compile of the plain loss."""
+    dev, bf = "cuda", torch.bfloat16
+    w = (torch.randn(vocab, hidden, device=dev, dtype=bf) * 0.02).requires_grad_(True)
+    h = torch.randn(tokens, hidden, device=dev, dtype=bf).requires_grad_(True)
+    t = torch.randint(0, vocab, (tokens,), device=dev)
+    plain = torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t))
+    runs = [(f"chunk={c}", lambda c=c: ops.linear_cross_entropy(h, w, t, chunk_size=c)) for c in chunks]
+    for name, fn in runs + [("torch.compile", lambda: plain(h, w, t))]:
+        def step():
+            fn().backward()
+            h.grad = w.grad = None
+
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = do_bench(step, warmup=200, rep=1500, return_mode="median")
+        print(f"lce {tokens}x{hidden}x{vocab} {name:<14} {ms:7.3f} ms  peak above inputs {peak:.2f} GiB", flush=True)
+
+
 def main():
     which = set(sys.argv[1:]) or {"ce", "lce"}
     ceilings = measure_ceilings()
@@ -138,6 +163,9 @@ def main():
     if "lce" in which:
         for head in LCE_HEADS:
             time_lce_pieces(ceilings.matmul_tflops, *head)
+    if "lce-chunks" in which:
+        for head in ((8192, 2304, 256000), (8192, 2304, 128256), (8192, 4096, 151936)):
+            time_lce_chunks(*head)
 
 
 if __name__ == "__main__":
