@@ -79,6 +79,22 @@ def sweep_ce(copy):
         print("ce liger: not importable:", err)
 
 
+def step_ms_and_peak(loss_fn, leaves, timer):
+    """(ms by ``timer``, GiB at the peak above the inputs) of a fwd+bwd step of ``loss_fn``."""
+    def step():
+        loss_fn().backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return timer(step), peak
+
+
 def time_lce_pieces(matmul_tflops, tokens, hidden, vocab):
     TOKENS, HIDDEN, VOCAB = tokens, hidden, vocab  # noqa: N806 (the module's names, for this head)
     print(f"lce head {tokens} x {hidden} x {vocab}", flush=True)
@@ -115,17 +131,8 @@ def time_lce_pieces(matmul_tflops, tokens, hidden, vocab):
         hh = h_all.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
 
-        def step():
-            ops.linear_cross_entropy(hh, ww, t, chunk_size=chunk, accum_dtype=accum).backward()
-            hh.grad = ww.grad = None
-
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = bench(step)
+        ms, peak = step_ms_and_peak(lambda: ops.linear_cross_entropy(hh, ww, t, chunk_size=chunk,
+                                                                     accum_dtype=accum), (hh, ww), bench)
         print(f"lce op chunk={chunk:<5} accum={str(accum).split('.')[-1]:<9} {ms:7.3f} ms "
               f"({ms / ms3:.3f}x the three matmuls) peak above inputs {peak:.2f} GiB", flush=True)
 
@@ -140,17 +147,8 @@ def time_lce_chunks(tokens, hidden, vocab, chunks=(768, 1024, 1536, 2048)):
     plain = torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t))
     runs = [(f"chunk={c}", lambda c=c: ops.linear_cross_entropy(h, w, t, chunk_size=c)) for c in chunks]
     for name, fn in runs + [("torch.compile", lambda: plain(h, w, t))]:
-        def step():
-            fn().backward()
-            h.grad = w.grad = None
-
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = do_bench(step, warmup=200, rep=1500, return_mode="median")
+        ms, peak = step_ms_and_peak(fn, (h, w), lambda step: do_bench(step, warmup=200, rep=1500,
+                                                                      return_mode="median"))
         print(f"lce {tokens}x{hidden}x{vocab} {name:<14} {ms:7.3f} ms  peak above inputs {peak:.2f} GiB", flush=True)
 
 
