@@ -1,6 +1,6 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
-    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [activation]
+    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -92,6 +92,34 @@ def sweep_norm_bwd_wide(copy):
     norm.bwd_max_block = original
 
 
+def sweep_norm_bwd_one_wide_block(copy):
+    """RMSNorm backward of wide rows held as one block (16384) without the next-row prefetch, by warps
+    and programs an SM, against the default (blocks of bwd_max_block), timed by CUDA-graph replay."""
+    saved = norm.bwd_max_block, norm.row_settings, norm.bwd_programs_per_sm, norm.bwd_prefetch
+    for rows, n in itertools.product((2048, 8192), (12288, 16384)):
+        h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(h)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0, True, h.dtype)
+        step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, None, None, rstd, 0.0, 0, True, h.dtype,
+                                 False, (True, True))
+        ref = step()[0].float()
+        variants = [("default", saved)]
+        for warps, per_sm, prefetch in itertools.product((16, 32), (1, 2), (False, True)):
+            variants.append((f"one block warps={warps} per_sm={per_sm} prefetch={prefetch}",
+                             (lambda n_cols: 16384, lambda cols, values_per_thread=16, w_=warps: (16384, w_),
+                              lambda block, p_=per_sm: p_, lambda block, f_=prefetch: f_)))
+        for name, (max_block, settings, per_sm, prefetch) in variants:
+            norm.bwd_max_block, norm.row_settings, norm.bwd_programs_per_sm, norm.bwd_prefetch = (
+                max_block, settings, per_sm, prefetch)
+            err = ((step()[0].float() - ref).norm() / ref.norm()).item()
+            us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
+            gbps = 3 * h.numel() * 2 / us / 1e3
+            print(f"norm rms bwd {rows}x{n} {name:<42} {us:8.1f} us {gbps / copy:6.1%} (rel. diff {err:.1e})",
+                  flush=True)
+    norm.bwd_max_block, norm.row_settings, norm.bwd_programs_per_sm, norm.bwd_prefetch = saved
+
+
 def sweep_activation(copy):
     n = 8192
     g = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
@@ -161,5 +189,7 @@ if __name__ == "__main__":
         sweep_norm(ceilings.copy_gbps)
     if "wide" in parts:
         sweep_norm_bwd_wide(ceilings.copy_gbps)
+    if "one-wide-block" in parts:
+        sweep_norm_bwd_one_wide_block(ceilings.copy_gbps)
     if "activation" in parts:
         sweep_activation(ceilings.copy_gbps)

@@ -76,6 +76,12 @@ def bwd_programs_per_sm(block: int) -> int:
 MAX_BWD_BLOCK = 8192
 
 
+def bwd_prefetch(block: int) -> bool:
+    """Whether a one-block backward loads the next row while it works on this one."""
+    return True
+
+
+
 def bwd_max_block(n_cols: int) -> int:
     """The widest row block the backward holds at once; wider rows loop over blocks. One block of
     16384 (with the dw and db partial rows) spills: LayerNorm's backward of 12288- and 16384-wide
@@ -225,6 +231,7 @@ def _norm_bwd_kernel(
     n_rows, n_cols, rows_per_program, dropout_p, seed,
     IS_RMS: tl.constexpr, HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -240,15 +247,21 @@ def _norm_bwd_kernel(
         # row's reductions, so every program keeps two rows of reads in flight.
         # A scalar condition joins a block mask through tl.where, not &: Triton's interpreter splats a
         # scalar comparison as its operands' integer type, and Triton 3.9's refuses such a mask.
-        first = tl.where(n_mine > 0, mask, False)
-        dy_next = tl.load(dy_ptr + row_start * dy_row_stride + cols, mask=first, other=0.0)
-        h_next = tl.load(h_ptr + row_start * h_row_stride + cols, mask=first, other=0.0)
+        # PREFETCH off: rows loaded where used (a wide row's next-row registers would spill).
+        if PREFETCH:
+            first = tl.where(n_mine > 0, mask, False)
+            dy_next = tl.load(dy_ptr + row_start * dy_row_stride + cols, mask=first, other=0.0)
+            h_next = tl.load(h_ptr + row_start * h_row_stride + cols, mask=first, other=0.0)
         for i in range(0, n_mine):
             row = row_start + i
-            dy_raw, h_raw = dy_next, h_next
-            more = tl.where(i + 1 < n_mine, mask, False)
-            dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
-            h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
+            if PREFETCH:
+                dy_raw, h_raw = dy_next, h_next
+                more = tl.where(i + 1 < n_mine, mask, False)
+                dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
+                h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
+            else:
+                dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+                h_raw = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0)
             mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
             rstd = tl.load(rstd_ptr + row)
             dy, hat, g = _norm_bwd_block(dy_raw, h_raw, w, mask, mean, rstd, IS_RMS, HAS_WEIGHT)
@@ -372,7 +385,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
             m, n, cdiv(m, programs), dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block, ONE_BLOCK=one_block,
-            num_warps=num_warps,
+            PREFETCH=bwd_prefetch(block), num_warps=num_warps,
         )
     buffers = [(dw_part, weight.dtype)] if weight is not None else []
     buffers += [(db_part, bias_dtype)] if bias_dtype is not None else []
