@@ -93,9 +93,9 @@ def sweep_norm_bwd_wide(copy):
 
 
 def sweep_norm_bwd_one_wide_block(copy):
-    """RMSNorm backward of wide rows held as one block (16384) without the next-row prefetch, by warps
-    and programs an SM, against the default (blocks of bwd_max_block), timed by CUDA-graph replay."""
-    saved = norm.bwd_max_block, norm.row_settings, norm.bwd_programs_per_sm, norm.bwd_prefetch
+    """RMSNorm backward of wide rows: as one block (norm.bwd_one_wide_block, the default) by warps,
+    against blocks of bwd_max_block, timed by CUDA-graph replay."""
+    saved = norm.bwd_one_wide_block, norm.row_settings
     for rows, n in itertools.product((2048, 8192), (12288, 16384)):
         h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(h)
@@ -104,20 +104,17 @@ def sweep_norm_bwd_one_wide_block(copy):
         step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, None, None, rstd, 0.0, 0, True, h.dtype,
                                  False, (True, True))
         ref = step()[0].float()
-        variants = [("default", saved)]
-        for warps, per_sm, prefetch in itertools.product((16, 32), (1, 2), (False, True)):
-            variants.append((f"one block warps={warps} per_sm={per_sm} prefetch={prefetch}",
-                             (lambda n_cols: 16384, lambda cols, values_per_thread=16, w_=warps: (16384, w_),
-                              lambda block, p_=per_sm: p_, lambda block, f_=prefetch: f_)))
-        for name, (max_block, settings, per_sm, prefetch) in variants:
-            norm.bwd_max_block, norm.row_settings, norm.bwd_programs_per_sm, norm.bwd_prefetch = (
-                max_block, settings, per_sm, prefetch)
+        variants = [("one block (default)", saved), ("blocks of bwd_max_block", (lambda *a: False, saved[1]))]
+        variants += [(f"one block, {warps} warps", (saved[0], lambda cols, values_per_thread=16, w_=warps: (
+            saved[1](cols)[0], w_))) for warps in (8, 32)]
+        for name, (one_wide, settings) in variants:
+            norm.bwd_one_wide_block, norm.row_settings = one_wide, settings
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
             gbps = 3 * h.numel() * 2 / us / 1e3
-            print(f"norm rms bwd {rows}x{n} {name:<42} {us:8.1f} us {gbps / copy:6.1%} (rel. diff {err:.1e})",
+            print(f"norm rms bwd {rows}x{n} {name:<26} {us:8.1f} us {gbps / copy:6.1%} (rel. diff {err:.1e})",
                   flush=True)
-    norm.bwd_max_block, norm.row_settings, norm.bwd_programs_per_sm, norm.bwd_prefetch = saved
+    norm.bwd_one_wide_block, norm.row_settings = saved
 
 
 def sweep_activation(copy):

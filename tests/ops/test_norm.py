@@ -66,6 +66,15 @@ def test_matches_reference(kind, dtype, shape, device):
     _check_against_reference(kind, x, res, w, b, dtype)
 
 
+@pytest.mark.parametrize("kind", ["rms", "add_rms"])
+def test_wide_row_backward(kind, device):
+    """8192 < n <= 16384: RMSNorm's backward holds the row as one block (norm.bwd_one_wide_block),
+    the residual form takes blocks of 8192."""
+    x = torch.randn(3, 9000, device=device)
+    res = torch.randn(3, 9000, device=device) if kind.startswith("add") else None
+    _check_against_reference(kind, x, res, torch.randn(9000, device=device), None, torch.float32)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_without_weight_and_bias(kind, device):
     x = torch.randn(6, 37, device=device)
@@ -251,7 +260,7 @@ def test_bad_input_raises_before_any_kernel(call, error, words, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [4096, 8192, 65536])
+@pytest.mark.parametrize("n", [4096, 8192, 12288, 65536])
 def test_gpu_bf16_real_sizes(kind, n):
     rows = 16384 if n <= 8192 else 512
     x = torch.randn(rows, n, dtype=torch.bfloat16, device="cuda")

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops.dispatch import (
+    MAX_ROW_BLOCK,
     as_rows,
     cdiv,
     check_dtype_option,
@@ -76,9 +77,14 @@ def bwd_programs_per_sm(block: int) -> int:
 MAX_BWD_BLOCK = 8192
 
 
-def bwd_prefetch(block: int) -> bool:
-    """Whether a one-block backward loads the next row while it works on this one."""
-    return True
+def bwd_one_wide_block(n_cols: int, is_rms: bool, has_dh_out: bool) -> bool:
+    """RMSNorm rows wider than MAX_BWD_BLOCK (up to MAX_ROW_BLOCK) held as one block, each row loaded
+    where it is used (the next row's registers, loaded ahead, would spill), one program an SM: 1.2-1.6x
+    faster than blocks of 8192 (H100, 2048 and 8192 rows of 12288 and 16384; benchmarks/tune_rowwise.py
+    one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log). Measured for the plain
+    RMSNorm only: LayerNorm's larger state spilled as one 16384 block (tune_norm_wide.log), and the
+    residual form's extra gradient input is untried."""
+    return is_rms and not has_dh_out and MAX_BWD_BLOCK < n_cols <= MAX_ROW_BLOCK
 
 
 
@@ -368,8 +374,9 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
-    block, num_warps = row_settings(min(n, bwd_max_block(n)))
-    programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(block)))
+    one_wide = bwd_one_wide_block(n, is_rms, dh_out is not None)
+    block, num_warps = row_settings(n if one_wide else min(n, bwd_max_block(n)))
+    programs = max(1, min(m, num_programs_for(h.device) * (1 if one_wide else bwd_programs_per_sm(block))))
     one_block = n <= block
     alloc = torch.empty if one_block and m > 0 else torch.zeros  # empty input: zero gradients
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
@@ -385,7 +392,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
             m, n, cdiv(m, programs), dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block, ONE_BLOCK=one_block,
-            PREFETCH=bwd_prefetch(block), num_warps=num_warps,
+            PREFETCH=not one_wide, num_warps=num_warps,
         )
     buffers = [(dw_part, weight.dtype)] if weight is not None else []
     buffers += [(db_part, bias_dtype)] if bias_dtype is not None else []
