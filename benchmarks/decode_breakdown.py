@@ -18,8 +18,8 @@ For each model (built as ``onepass bench generate`` builds it: random bf16 weigh
 - one layer's kernels in launch order (mean over layers and steps), where the step's kernel
   sequence repeats per layer; its linear launches (qkv, o, gate_up, down in Llama/Qwen2 order)
   with their weight bytes and bandwidth;
-- the floor: ``bench.generate.step_floor_ms`` (every parameter and the KV cache so far, once,
-  at the copy bandwidth measured in this run), and per category its own floor (linear weights,
+- the floor: ``bench.generate.step_floor_ms`` (every weight a step reads and the KV cache so far,
+  once, at the copy bandwidth measured in this run), and per category its own floor (linear weights,
   KV cache, norm weights; nothing for the rest) and the share of the step it costs above it;
 - the fixed cost of a launch in a graph: as many tiny kernels as the step has, replayed as
   one CUDA graph.
@@ -43,7 +43,7 @@ from torch.autograd import DeviceType
 from triton.testing import do_bench
 
 import onepass
-from onepass.bench.generate import step_floor_ms
+from onepass.bench.generate import step_bytes, step_floor_ms
 from onepass.bench.harness import environment, measure_ceilings
 from onepass.models.configs import CONFIGS, build
 
@@ -161,8 +161,7 @@ def breakdown(model, name: str, batch: int, cache: int, steps: int, copy_gbps: f
 
     # the floor and each category's own share of it
     floor_ms = step_floor_ms(model, batch, cache, steps, copy_gbps)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = floor_ms * copy_gbps * 1e6 - params
+    kv_bytes = floor_ms * copy_gbps * 1e6 - step_bytes(model, batch)
     head = model.get_output_embeddings().weight
     head_bytes = head.numel() * head.element_size()
     layer_linear_bytes = sum(p.numel() * p.element_size() for m in model.get_decoder().layers.modules()

@@ -101,3 +101,18 @@ def test_only_writes_beside_the_full_results(tmp_path, monkeypatch):
     assert {r.op for r in results["norm"]} == {"rms_norm", "add_rms_norm"}
     assert (folder / "norm.json").read_text() == "the full run"
     assert (folder / "norm-only-rms.json").exists() and (folder / "norm-only-rms.md").exists()
+
+
+def test_decode_floor_reads_an_untied_embedding_only_for_the_batch_rows():
+    """A decode step reads the LM head whole, but of an input embedding that is not the head only
+    the rows it looks up: a tied model's floor counts the shared table once."""
+    import torch
+
+    from onepass.bench.generate import step_bytes
+    from onepass.models.configs import build
+
+    tied, untied = build("llama-tiny", "meta", torch.bfloat16), build("llama-tiny-untied", "meta", torch.bfloat16)
+    vocab, hidden = untied.config.vocab_size, untied.config.hidden_size
+    everything = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert step_bytes(untied, 8) == everything - (vocab - 8) * hidden * 2
+    assert step_bytes(tied, 8) == sum(p.numel() * p.element_size() for p in tied.parameters())

@@ -18,7 +18,9 @@ Each variant runs once to warm up (compiles, captures: the "first call" column),
 call with one (the prefill and its first token), over ``new - 1`` steps.
 
 The floor of a decode step reads every weight once and the KV cache written so far (its
-mean length over the steps), at the copy bandwidth measured in the same run.
+mean length over the steps), at the copy bandwidth measured in the same run; an input embedding
+that is not also the LM head counts only for the rows a step looks up. Results go to
+``generate-<model>.json`` and ``.md`` under the GPU's folder.
 """
 
 from __future__ import annotations
@@ -58,10 +60,21 @@ def _median_ms(call, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def step_floor_ms(model: torch.nn.Module, batch: int, prompt: int, new: int, copy_gbps: float) -> float:
-    """A decode step's minimum time: every weight read once, plus the K and V cache written
-    so far (mean length over the steps), at the copy bandwidth."""
+def step_bytes(model: torch.nn.Module, batch: int) -> int:
+    """The weight bytes a decode step must read: every parameter once, but of an input embedding
+    that is not also the LM head (untied) only the ``batch`` rows the step looks up."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not embedding:
+        weights -= (embedding.shape[0] - batch) * embedding[0].numel() * embedding.element_size()
+    return weights
+
+
+def step_floor_ms(model: torch.nn.Module, batch: int, prompt: int, new: int, copy_gbps: float) -> float:
+    """A decode step's minimum time: the weights it must read (``step_bytes``), plus the K and V
+    cache written so far (mean length over the steps), at the copy bandwidth."""
+    weights = step_bytes(model, batch)
     config = model.config.get_text_config()
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -108,32 +121,40 @@ def run(model: str = "llama-1b", batches: tuple[int, ...] = (1, 8), prompt: int 
     for batch in batches:
         floor = floors[batch] = step_floor_ms(hf_model, batch, prompt, new, ceilings.copy_gbps)
         log(f"batch {batch}: floor of a decode step {floor:.3f} ms")
-        for name, call in _variants(hf_model, batch, prompt, new, compile_hf).items():
-            row = Row(batch, name)
-            try:
-                log(f"  {name}: warm-up ...")
-                row.warmup_s = _median_ms(lambda call=call: call(new), repeats=1) / 1e3
-                call(1)
-                row.call_ms = _median_ms(lambda call=call: call(new))
-                row.step_ms = (row.call_ms - _median_ms(lambda call=call: call(1))) / (new - 1)
-                row.tokens_per_s = batch * new / (row.call_ms / 1e3)
-                row.frac_floor = floor / row.step_ms
-                log(f"  {name}: first call {row.warmup_s:.1f} s, then {row.call_ms:.1f} ms a call, "
-                    f"{row.step_ms:.3f} ms a step, {row.tokens_per_s:.0f} tokens/s, "
-                    f"{100 * row.frac_floor:.0f}% of the floor")
-            except Exception as e:  # a variant that fails (e.g. compile) is reported, not fatal
-                row.error = f"{type(e).__name__}: {e}"[:300]
-                log(f"  {name}: failed: {row.error}")
-            rows.append(row)
-            torch.cuda.empty_cache()
+        rows += _run_batch(hf_model, batch, prompt, new, compile_hf, floor, log)
     summary = {"env": env, "model": model, "prompt": prompt, "new": new, "floors_ms": floors,
                "rows": [asdict(r) for r in rows]}
     folder = Path(out_dir) / gpu_folder(env["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "generate.json").write_text(json.dumps(summary, indent=1))
-    (folder / "generate.md").write_text(to_markdown(summary))
-    log(f"written: {folder / 'generate.md'}")
+    (folder / f"generate-{model}.json").write_text(json.dumps(summary, indent=1))
+    (folder / f"generate-{model}.md").write_text(to_markdown(summary))
+    log(f"written: {folder / f'generate-{model}.md'}")
     return summary
+
+
+def _run_batch(hf_model, batch: int, prompt: int, new: int, compile_hf: bool, floor: float, log) -> list[Row]:
+    """Every variant at one batch size. Its own function so that the batch's optimized copy, decoders
+    and caches are freed on return, before the next batch builds its own."""
+    rows = []
+    for name, call in _variants(hf_model, batch, prompt, new, compile_hf).items():
+        row = Row(batch, name)
+        try:
+            log(f"  {name}: warm-up ...")
+            row.warmup_s = _median_ms(lambda call=call: call(new), repeats=1) / 1e3
+            call(1)
+            row.call_ms = _median_ms(lambda call=call: call(new))
+            row.step_ms = (row.call_ms - _median_ms(lambda call=call: call(1))) / (new - 1)
+            row.tokens_per_s = batch * new / (row.call_ms / 1e3)
+            row.frac_floor = floor / row.step_ms
+            log(f"  {name}: first call {row.warmup_s:.1f} s, then {row.call_ms:.1f} ms a call, "
+                f"{row.step_ms:.3f} ms a step, {row.tokens_per_s:.0f} tokens/s, "
+                f"{100 * row.frac_floor:.0f}% of the floor")
+        except Exception as e:  # a variant that fails (e.g. compile) is reported, not fatal
+            row.error = f"{type(e).__name__}: {e}"[:300]
+            log(f"  {name}: failed: {row.error}")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def to_markdown(summary: dict) -> str:
