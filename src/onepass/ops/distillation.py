@@ -78,7 +78,7 @@ from onepass.ops.dispatch import (
     use_triton,
 )
 from onepass.ops.gemm import aligned_head, backprop_head_chunk
-from onepass.ops.linear_cross_entropy import chunk_tokens
+from onepass.ops.linear_cross_entropy import check_accum_dtype, chunk_tokens
 
 # Which divergence: beta = 0, beta = 1, or the mixture in between.
 FORWARD_KL = tl.constexpr(0)
@@ -406,9 +406,7 @@ def _check(s_hidden, s_weight, t_hidden, t_weight, target, s_bias, t_bias, weigh
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if accum_dtype not in (None, torch.float32, s_weight.dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or the student weight's dtype {s_weight.dtype}, "
-                        f"got {accum_dtype}")
+    check_accum_dtype(accum_dtype, s_weight, "the student weight's")
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     check_same_device(student_hidden=s_hidden, student_weight=s_weight, teacher_hidden=t_hidden,

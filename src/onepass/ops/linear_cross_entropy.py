@@ -85,6 +85,12 @@ BUFFER_SHARE_OF_WEIGHT = 3
 MIN_CHUNK = 512
 
 
+def check_accum_dtype(accum_dtype: torch.dtype | None, weight: Tensor, whose: str = "the weight's") -> None:
+    """The dtype dW is summed in across chunks: None (the weight's), float32, or the weight's."""
+    if accum_dtype not in (None, torch.float32, weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or {whose} dtype {weight.dtype}, got {accum_dtype}")
+
+
 def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, n_hidden: int, chunk_size: int | None = None) -> int:
     """Tokens per chunk: ``chunk_size`` if given, else the smallest chunk that keeps the
     weight-gradient GEMM compute-bound (with a 16-bit accumulator at most a third of the
@@ -228,9 +234,7 @@ def _check(hidden, weight, target, bias, accum_dtype, chunk_size, loss_dtype, me
     if hidden.dim() == 0:
         raise ValueError("hidden must have at least one dimension (the features)")
     check_linear("hidden", hidden, "weight", weight, "bias", bias, out_name="vocab")
-    if accum_dtype not in (None, torch.float32, weight.dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or the weight's dtype {weight.dtype}, "
-                        f"got {accum_dtype}")
+    check_accum_dtype(accum_dtype, weight)
     check_dtype_option("loss_dtype", loss_dtype)
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")

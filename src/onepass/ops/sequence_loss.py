@@ -49,7 +49,7 @@ from onepass.ops.dispatch import (
     use_triton,
 )
 from onepass.ops.gemm import accumulate_mm, aligned_head
-from onepass.ops.linear_cross_entropy import chunk_tokens
+from onepass.ops.linear_cross_entropy import check_accum_dtype, chunk_tokens
 
 # loss_of(rows, logps, ref_logps) -> the loss's share of these rows: rows a LongTensor of batch
 # rows, logps [len(rows), S] float32 (differentiable), ref_logps likewise or None
@@ -107,9 +107,7 @@ def check_engine_options(temperature: float, chunk_size: int | None, accum_dtype
     if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be None or an int >= 1 (tokens), got {chunk_size!r}")
     check_dtype_option("accum_dtype", accum_dtype)
-    if accum_dtype not in (None, torch.float32, weight.dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or the weight's dtype {weight.dtype}, "
-                        f"got {accum_dtype}")
+    check_accum_dtype(accum_dtype, weight)
 
 
 def _chunks(batch: int, paired: bool, seq: int, target_tokens: int, device) -> list[tuple[Tensor, slice | None]]:
