@@ -22,15 +22,13 @@ byte of HBM, ~200-300 on Hopper) that traffic does not hide under the math; C = 
 element size (2048 tokens for float32, 1024 for a 16-bit accumulator) does (benchmarks/tune_loss.py
 lce, results/h100-80gb-hbm3/tune_lce.log). With a 16-bit accumulator C is also at most H / 3
 (not under 512), so the [C, V] buffer stays under a third of the weight: memory first, the point
-of a fused loss. Larger chunks are faster where H is small (H100, 8192 x 2304 x 256000: C = 768
-50.5 ms and 1.50 GiB above the inputs, C = 2048 46.7 ms and 2.11 GiB, torch.compile 46.1 ms and
-5.04 GiB; results/h100-80gb-hbm3/lce_chunks.log): ``chunk_size=2048`` trades the memory back.
+of a fused loss. Larger chunks are faster where H is small (more tokens a dW read-modify-write, fuller
+GEMMs; results/h100-80gb-hbm3/lce_chunks.log): ``chunk_size=2048`` trades the memory back.
 
 Memory above the inputs and the gradients themselves: the [C, V] logits buffer (C V s
 bytes). By default dW is accumulated in the weight's dtype, as Liger does, at the cost of T / C
-roundings of dW to 16 bits (H100, Llama-3's head, 8192 tokens: relative error 1.33e-3 against a
-float32 reference, where the one rounding of a float32 sum gives 1.12e-3;
-benchmarks/lce_accumulation_error.py). ``accum_dtype=torch.float32`` accumulates in a float32
+roundings of dW to 16 bits (their error against a float32 reference, next to that of the one
+rounding of a float32 sum: benchmarks/lce_accumulation_error.py). ``accum_dtype=torch.float32`` accumulates in a float32
 buffer (4 V H bytes) and casts it at the end: the logits buffer is freed before that cast, so the
 peak is the accumulator plus the larger of the buffer and the cast.
 
@@ -78,9 +76,9 @@ MEMORY_MODES = ("default", "low")
 WGRAD_FLOP_PER_BYTE = 512
 CHUNK_MULTIPLE = 64
 # With a 16-bit accumulator the [C, V] logits buffer is kept to a third of the weight (C <= H / 3,
-# at least MIN_CHUNK tokens), so the peak stays near the weight's gradient (H100, Gemma-2-2B's
-# head: 1.50 GiB at C = 768 against 1.62 at 1024, Liger 1.20; results/h100-80gb-hbm3/tune_lce.log).
-# A float32 accumulator is already twice the weight: its chunk keeps the dW GEMM's intensity.
+# at least MIN_CHUNK tokens), so the peak stays near the weight's gradient itself where H is small
+# (results/h100-80gb-hbm3/tune_lce.log). A float32 accumulator is already twice the weight: its
+# chunk keeps the dW GEMM's intensity.
 BUFFER_SHARE_OF_WEIGHT = 3
 MIN_CHUNK = 512
 

@@ -79,11 +79,11 @@ MAX_BWD_BLOCK = 8192
 
 def bwd_one_wide_block(n_cols: int, is_rms: bool, has_dh_out: bool) -> bool:
     """RMSNorm rows wider than MAX_BWD_BLOCK (up to MAX_ROW_BLOCK) held as one block, each row loaded
-    where it is used (the next row's registers, loaded ahead, would spill), one program an SM: 1.2-1.6x
-    faster than blocks of 8192 (H100, 2048 and 8192 rows of 12288 and 16384; benchmarks/tune_rowwise.py
-    one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log). Measured for the plain
-    RMSNorm only: LayerNorm's larger state spilled as one 16384 block (tune_norm_wide.log), and the
-    residual form's extra gradient input is untried."""
+    where it is used (the next row's registers, loaded ahead, would spill), one program an SM: one
+    read of the row and its dw share kept in registers, where blocks of 8192 read each row twice and
+    add the share through global memory (benchmarks/tune_rowwise.py one-wide-block,
+    results/h100-80gb-hbm3/tune_norm_one_wide_block.log). The plain RMSNorm only: LayerNorm's larger
+    state spilled as one 16384 block (tune_norm_wide.log), and the residual form is untried."""
     return is_rms and not has_dh_out and MAX_BWD_BLOCK < n_cols <= MAX_ROW_BLOCK
 
 
