@@ -96,22 +96,21 @@ def step_ms_and_peak(loss_fn, leaves, timer):
 
 
 def time_lce_pieces(matmul_tflops, tokens, hidden, vocab):
-    TOKENS, HIDDEN, VOCAB = tokens, hidden, vocab  # noqa: N806 (the module's names, for this head)
     print(f"lce head {tokens} x {hidden} x {vocab}", flush=True)
     dev, bf = "cuda", torch.bfloat16
-    w = torch.randn(VOCAB, HIDDEN, device=dev, dtype=bf) * 0.02
-    h_all = torch.randn(TOKENS, HIDDEN, device=dev, dtype=bf)
-    full = 3 * 2 * TOKENS * HIDDEN * VOCAB
-    ms3 = (bench(lambda: h_all @ w.t()) + bench(lambda: torch.empty(TOKENS, VOCAB, device=dev, dtype=bf) @ w)
-           + bench(lambda: torch.empty(VOCAB, TOKENS, device=dev, dtype=bf) @ h_all))
+    w = torch.randn(vocab, hidden, device=dev, dtype=bf) * 0.02
+    h_all = torch.randn(tokens, hidden, device=dev, dtype=bf)
+    full = 3 * 2 * tokens * hidden * vocab
+    ms3 = (bench(lambda: h_all @ w.t()) + bench(lambda: torch.empty(tokens, vocab, device=dev, dtype=bf) @ w)
+           + bench(lambda: torch.empty(vocab, tokens, device=dev, dtype=bf) @ h_all))
     print(f"lce three full matmuls {ms3:7.3f} ms ({full / ms3 / 1e9:.0f} TFLOP/s; "
           f"measured ceiling {matmul_tflops:.0f})")
-    acc32 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=torch.float32)
-    acc16 = torch.empty(VOCAB, HIDDEN, device=dev, dtype=bf)
-    t = torch.randint(0, VOCAB, (TOKENS,), device=dev)
+    acc32 = torch.empty(vocab, hidden, device=dev, dtype=torch.float32)
+    acc16 = torch.empty(vocab, hidden, device=dev, dtype=bf)
+    t = torch.randint(0, vocab, (tokens,), device=dev)
     for c in (640, 1024, 2048):
-        h, g = h_all[:c], torch.randn(c, VOCAB, device=dev, dtype=bf)
-        flops = 2 * c * HIDDEN * VOCAB
+        h, g = h_all[:c], torch.randn(c, vocab, device=dev, dtype=bf)
+        flops = 2 * c * hidden * vocab
         rows_f32, lse_f32 = torch.empty(c, device=dev), torch.empty(c, device=dev)
         counts = torch.ones(2, device=dev, dtype=torch.int32)
         rows = [
