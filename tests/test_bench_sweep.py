@@ -126,6 +126,34 @@ def test_the_sweep_writes_every_cell_and_skips_the_too_large_and_those_past_its_
     assert [c["skipped"] for c in cells] == ["time budget: 0 minutes spent"] * 4
 
 
+def test_a_resumed_sweep_measures_only_what_the_budget_skipped(monkeypatch, tmp_path):
+    _fake_gpu(monkeypatch)
+    ran = []
+    monkeypatch.setattr(sweep, "_run_cell", lambda case, ceilings, log: ran.append((case.mode, case.shape)) or {
+        "check": {"passed": True}, "rows": [{"variant": "onepass", "run": len(ran)}]})
+    clock = iter(range(0, 10**6, 60))  # a minute a cell
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
+    first = sweep.run_sweep("quick", "rope", tmp_path, max_minutes=1.5, log=lambda line: None)
+    measured = [(c["mode"], c["shape"]) for c in json.loads(first.read_text())["cells"] if "skipped" not in c]
+    assert 0 < len(measured) < 4 and ran == measured
+    said, ran[:] = [], []
+    again = sweep.run_sweep("quick", "rope", tmp_path, resume=True, log=said.append)
+    data = json.loads(again.read_text())
+    assert again == first and len(ran) == 4 - len(measured) and not set(ran) & set(measured)
+    assert all("skipped" not in c for c in data["cells"]) and len(data["cells"]) == 4
+    kept = [c for c in data["cells"] if (c["mode"], c["shape"]) in measured]
+    assert all(c["rows"][0]["run"] <= len(measured) for c in kept)  # the first run's numbers, not remeasured
+    assert len(data["env"]["runs"]) == 2 and f"resuming {first}: {len(measured)} cells kept, run 2" in said
+    assert "Measured in 2 runs (`--resume`)" in sweep.to_markdown(data)
+    # another GPU's or grid's file is not resumed
+    monkeypatch.setattr(sweep, "environment", lambda ceilings: {**ENV, "gpu": "NVIDIA H200"})
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "sweep-quick-only-rope.json").write_text(again.read_text())
+    with pytest.raises(ValueError, match="cannot resume .* on NVIDIA H100 80GB HBM3, this run is the quick grid "
+                                         "on NVIDIA H200"):
+        sweep.run_sweep("quick", "rope", tmp_path, resume=True, log=lambda line: None)
+
+
 def _cell(op, mode, dims, times, passed=True, bytes_=0, tensor_bytes=2**28, **extra):
     """A cell as the sweep writes it; ``times``: {variant: (wall ms, GPU ms)}."""
     rows = [{"variant": v, "ms": ms, "gpu_ms": gpu, "frac_copy": bytes_ / ms / 1e6 / 3000 if ms else None}

@@ -115,7 +115,7 @@ def _bench_sweep(args) -> int:
     from onepass.bench.sweep import run_sweep, write_report
 
     try:
-        path = run_sweep(args.grid, args.only, args.out, args.max_minutes)
+        path = run_sweep(args.grid, args.only, args.out, args.max_minutes, resume=args.resume)
     except ValueError as e:
         print(f"onepass bench sweep: {e}", file=sys.stderr)
         return 2
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sweep.add_argument("--out", default="benchmarks/results", help="results folder")
     bench_sweep.add_argument("--max-minutes", type=float, help="start no cell after this many minutes; the rest are "
                                                                "recorded as skipped (default: no limit)")
+    bench_sweep.add_argument("--resume", action="store_true", help="keep the cells an earlier run on this GPU "
+                                                                   "wrote to the same results file; measure only "
+                                                                   "those its time budget skipped")
     sweep_report = _command(bench, "sweep-report", "a sweep's JSON as a Markdown summary and, where matplotlib is "
                                                    "installed, heatmaps of onepass's ratio to the best peer (no GPU "
                                                    "needed)", _bench_sweep_report)

@@ -193,11 +193,35 @@ def sweep_stem(grid: str, only: str | None) -> str:
     return stem if only is None else f"{stem}-only-{re.sub(r'[^A-Za-z0-9_.]+', '_', only)}"
 
 
+BUDGET_SKIP = "time budget"
+
+
+def _earlier_cells(path: Path, env: dict) -> tuple[list[dict], dict[tuple[str, str, str], dict]]:
+    """For ``resume``: the runs and the cells a run of the same grid on the same GPU wrote to
+    ``path``, less those it skipped for its time budget (they run now)."""
+    if not path.exists():
+        return [], {}
+    earlier = json.loads(path.read_text())
+    old_env = earlier["env"]
+    if (old_env["gpu"], old_env["grid"]) != (env["gpu"], env["grid"]):
+        raise ValueError(f"cannot resume {path}: it holds the {old_env['grid']} grid on {old_env['gpu']}, "
+                         f"this run is the {env['grid']} grid on {env['gpu']}")
+    cells = {(c["op"], c["mode"], c["shape"]): c for c in earlier["cells"]
+             if not c.get("skipped", "").startswith(BUDGET_SKIP)}
+    return old_env.get("runs", [_run_summary(old_env)]), cells
+
+
+def _run_summary(env: dict) -> dict:
+    return {k: env[k] for k in ("date", "command", "copy_GBps", "matmul_bf16_TFLOPs")}
+
+
 def run_sweep(grid: str = "quick", only: str | None = None, out_dir: str | Path = "benchmarks/results",
-              max_minutes: float | None = None, log=print) -> Path:
+              max_minutes: float | None = None, log=print, resume: bool = False) -> Path:
     """Check and time every cell of ``grid`` ("quick" or "full") whose op name contains
     ``only``; after ``max_minutes`` no new cell starts (the rest are recorded as skipped).
-    Returns the JSON file, rewritten after every cell."""
+    ``resume``: keep the cells an earlier run on this GPU wrote to the same file and measure
+    only those it skipped for its time budget (a grid longer than one sitting, in parts; each
+    cell's ratios come from one run). Returns the JSON file, rewritten after every cell."""
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarks need a CUDA GPU; without one, run `onepass selfcheck`")
     cells = build_cells(grid, only)
@@ -212,6 +236,10 @@ def run_sweep(grid: str = "quick", only: str | None = None, out_dir: str | Path 
     log(f"{env['gpu']}: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s; "
         f"{len(cells)} cells ({grid} grid)")
     path = Path(out_dir) / gpu_folder(env["gpu"]) / f"{sweep_stem(grid, only)}.json"
+    runs, earlier = _earlier_cells(path, env) if resume else ([], {})
+    env["runs"] = [*runs, _run_summary(env)]
+    if earlier:
+        log(f"resuming {path}: {len(earlier)} cells kept, run {len(env['runs'])}")
     path.parent.mkdir(parents=True, exist_ok=True)
     results = {"env": env, "cells": []}
     path.write_text(json.dumps(results, indent=1))
@@ -220,10 +248,12 @@ def run_sweep(grid: str = "quick", only: str | None = None, out_dir: str | Path 
         minutes = (time.monotonic() - start) / 60
         record = {"grid": cell.grid, "op": case.op, "mode": case.mode, "shape": case.shape, "axes": list(cell.axes),
                   "dims": cell.dims, "tensor_bytes": cell.tensor_bytes, "bytes": case.bytes, "flops": case.flops}
-        if cell.tensor_bytes > MAX_TENSOR_BYTES:
+        if (case.op, case.mode, case.shape) in earlier:
+            record = earlier[case.op, case.mode, case.shape]
+        elif cell.tensor_bytes > MAX_TENSOR_BYTES:
             record["skipped"] = f"largest tensor {cell.tensor_bytes / 2**30:.1f} GiB > {MAX_TENSOR_BYTES / 2**30:.0f}"
         elif max_minutes is not None and minutes > max_minutes:
-            record["skipped"] = f"time budget: {max_minutes:g} minutes spent"
+            record["skipped"] = f"{BUDGET_SKIP}: {max_minutes:g} minutes spent"
         else:
             log(f"[{k}/{len(cells)}, {minutes:.1f} min] {case.op} {case.mode} {case.shape}")
             record.update(_run_cell(case, ceilings, log))
@@ -269,14 +299,19 @@ def to_markdown(data: dict) -> str:
              f"torch {env['torch']}, triton {env['triton']}, liger-kernel {env.get('liger_kernel') or '—'}, "
              f"transformers {env.get('transformers') or '—'}, {env['date']}; copy bandwidth {env['copy_GBps']:.0f} "
              f"GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s (measured in this run).", "",
-             f"Command: `{env['command']}`", "", env["compile"] + ".", "",
-             f"Ratio: the best peer's time ({', '.join(PEERS)}) over onepass's; below 1 a peer is faster. "
-             "GPU: the step's kernels summed (torch.profiler); wall: the do_bench median, as an eager caller "
-             f"sees it. Every cell's onepass output (or gradients) checked against eager first, relative error "
-             f"at most {TOLERANCE[torch.bfloat16]} (bf16); the last column counts the Python peers only "
-             f"({', '.join(PYTHON_PEERS)}).", "",
-             "| op | mode | cells | check failed | skipped | GPU ratio min / median | wall ratio min / median | "
-             "wall ratio, Python peers |", "|---|---|---|---|---|---|---|---|"]
+             f"Command: `{env['command']}`", ""]
+    runs = env.get("runs", [])
+    if len(runs) > 1:  # a resumed sweep: each cell was measured whole in one of these
+        lines += [f"Measured in {len(runs)} runs (`--resume`), each cell within one: "
+                  + "; ".join(f"{r['date']} (copy {r['copy_GBps']:.0f} GB/s)" for r in runs) + ".", ""]
+    lines += [env["compile"] + ".", "",
+              f"Ratio: the best peer's time ({', '.join(PEERS)}) over onepass's; below 1 a peer is faster. "
+              "GPU: the step's kernels summed (torch.profiler); wall: the do_bench median, as an eager caller "
+              f"sees it. Every cell's onepass output (or gradients) checked against eager first, relative error "
+              f"at most {TOLERANCE[torch.bfloat16]} (bf16); the last column counts the Python peers only "
+              f"({', '.join(PYTHON_PEERS)}).", "",
+              "| op | mode | cells | check failed | skipped | GPU ratio min / median | wall ratio min / median | "
+              "wall ratio, Python peers |", "|---|---|---|---|---|---|---|---|"]
 
     def spread(values):
         values = sorted(values)
