@@ -93,28 +93,35 @@ def sweep_norm_bwd_wide(copy):
 
 
 def sweep_norm_bwd_one_wide_block(copy):
-    """RMSNorm backward of wide rows: as one block (norm.bwd_one_wide_block, the default) by warps,
-    against blocks of bwd_max_block, timed by CUDA-graph replay."""
+    """Norm backward of wide rows as one block (norm.bwd_one_wide_block) by warps, against blocks of
+    bwd_max_block, timed by CUDA-graph replay: the plain RMSNorm (the rule's case), LayerNorm, and
+    the residual form (a decoder layer's: the stream's gradient read too, d(residual) written)."""
     saved = norm.bwd_one_wide_block, norm.row_settings
-    for rows, n in itertools.product((2048, 8192), (12288, 16384)):
+    kinds = (("rms", True, False), ("layer", False, False), ("add_rms", True, True))
+    for (kind, is_rms, residual), rows, n in itertools.product(kinds, (2048, 8192), (12288, 16384)):
         h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(h)
+        dh_out = torch.randn_like(h) if residual else None
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0, True, h.dtype)
-        step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, None, None, rstd, 0.0, 0, True, h.dtype,
-                                 False, (True, True))
+        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0, is_rms, h.dtype)
+        step = functools.partial(norm._norm_bwd_launch, dy, dh_out, h, w, None if is_rms else h.dtype,
+                                 None if is_rms else mean, rstd, 0.0, 0, is_rms, h.dtype, residual,
+                                 False if residual else (True, True))
+        norm.bwd_one_wide_block = lambda *a: False
         ref = step()[0].float()
-        variants = [("one block (default)", saved), ("blocks of bwd_max_block", (lambda *a: False, saved[1]))]
-        variants += [(f"one block, {warps} warps", (saved[0], lambda cols, values_per_thread=16, w_=warps: (
-            saved[1](cols)[0], w_))) for warps in (8, 32)]
+        one = lambda *a: True  # noqa: E731
+        variants = [("blocks of bwd_max_block", (lambda *a: False, saved[1]))]
+        variants += [(f"one block, {warps} warps", (one, lambda cols, values_per_thread=16, w_=warps: (
+            saved[1](cols)[0], w_))) for warps in (8, 16, 32)]
         for name, (one_wide, settings) in variants:
             norm.bwd_one_wide_block, norm.row_settings = one_wide, settings
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
-            gbps = 3 * h.numel() * 2 / us / 1e3
-            print(f"norm rms bwd {rows}x{n} {name:<26} {us:8.1f} us {gbps / copy:6.1%} (rel. diff {err:.1e})",
+            gbps = (4 if residual else 3) * h.numel() * 2 / us / 1e3
+            print(f"norm {kind} bwd {rows}x{n} {name:<26} {us:8.1f} us {gbps / copy:6.1%} (rel. diff {err:.1e})",
                   flush=True)
-    norm.bwd_one_wide_block, norm.row_settings = saved
+        norm.bwd_one_wide_block, norm.row_settings = saved
 
 
 def sweep_activation(copy):
