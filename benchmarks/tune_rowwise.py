@@ -1,6 +1,6 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
-    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [activation]
+    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -124,6 +124,30 @@ def sweep_norm_bwd_one_wide_block(copy):
         norm.bwd_one_wide_block, norm.row_settings = saved
 
 
+def sweep_layer_norm_bwd_wide(copy):
+    """LayerNorm backward of wide rows in blocks (one block spills: sweep_norm_bwd_one_wide_block) by
+    programs an SM: each program adds every row's dw and db shares into its fp32 partial rows, whose
+    read-modify-write stays in L2 only while the partials (programs x width x 8 bytes) are small."""
+    saved = norm.bwd_programs_per_sm, norm.bwd_max_block
+    for rows, n in itertools.product((2048, 8192), (12288, 16384)):
+        h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(h)
+        w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0, False, h.dtype)
+        step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, h.dtype, mean, rstd, 0.0, 0, False, h.dtype,
+                                 False, (True, True))
+        ref = step()[0].float()
+        for cap, per_sm in itertools.product((4096, 8192), (1, 2, 4)):
+            norm.bwd_max_block = lambda n_cols, c_=cap: c_
+            norm.bwd_programs_per_sm = lambda block, p_=per_sm: p_
+            err = ((step()[0].float() - ref).norm() / ref.norm()).item()
+            us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
+            gbps = 3 * h.numel() * 2 / us / 1e3
+            print(f"norm layer bwd {rows}x{n} block={cap} per_sm={per_sm} {us:8.1f} us {gbps / copy:6.1%} "
+                  f"(rel. diff {err:.1e})", flush=True)
+    norm.bwd_programs_per_sm, norm.bwd_max_block = saved
+
+
 def sweep_activation(copy):
     n = 8192
     g = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
@@ -195,5 +219,7 @@ if __name__ == "__main__":
         sweep_norm_bwd_wide(ceilings.copy_gbps)
     if "one-wide-block" in parts:
         sweep_norm_bwd_one_wide_block(ceilings.copy_gbps)
+    if "wide-layer" in parts:
+        sweep_layer_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:
         sweep_activation(ceilings.copy_gbps)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from onepass import ops, reference
+from onepass.ops import norm
 from onepass.ops.dispatch import interpreting
 from onepass.testing import assert_close
 
@@ -66,13 +67,16 @@ def test_matches_reference(kind, dtype, shape, device):
     _check_against_reference(kind, x, res, w, b, dtype)
 
 
-@pytest.mark.parametrize("kind", ["rms", "add_rms"])
+@pytest.mark.parametrize("kind", ["rms", "add_rms", "layer"])
 def test_wide_row_backward(kind, device):
-    """8192 < n <= 16384: RMSNorm's backward holds the row as one block (norm.bwd_one_wide_block),
-    the residual form takes blocks of 8192."""
+    """8192 < n <= 16384: RMSNorm's backward, with or without the residual, holds the row as one
+    block (norm.bwd_one_wide_block); LayerNorm's takes blocks of 8192."""
+    assert norm.bwd_one_wide_block(9000, kind != "layer") == (kind != "layer")
+    assert not norm.bwd_one_wide_block(8192, True)
     x = torch.randn(3, 9000, device=device)
     res = torch.randn(3, 9000, device=device) if kind.startswith("add") else None
-    _check_against_reference(kind, x, res, torch.randn(9000, device=device), None, torch.float32)
+    b = torch.randn(9000, device=device) if kind.endswith("layer") else None
+    _check_against_reference(kind, x, res, torch.randn(9000, device=device), b, torch.float32)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -77,15 +77,14 @@ def bwd_programs_per_sm(block: int) -> int:
 MAX_BWD_BLOCK = 8192
 
 
-def bwd_one_wide_block(n_cols: int, is_rms: bool, has_dh_out: bool) -> bool:
+def bwd_one_wide_block(n_cols: int, is_rms: bool) -> bool:
     """RMSNorm rows wider than MAX_BWD_BLOCK (up to MAX_ROW_BLOCK) held as one block, each row loaded
     where it is used (the next row's registers, loaded ahead, would spill), one program an SM: one
     read of the row and its dw share kept in registers, where blocks of 8192 read each row twice and
-    add the share through global memory (benchmarks/tune_rowwise.py one-wide-block,
-    results/h100-80gb-hbm3/tune_norm_one_wide_block.log). The plain RMSNorm only: LayerNorm's larger
-    state spilled as one 16384 block (tune_norm_wide.log), and the residual form is untried."""
-    return is_rms and not has_dh_out and MAX_BWD_BLOCK < n_cols <= MAX_ROW_BLOCK
-
+    add the share through global memory; with or without the residual stream's gradient
+    (benchmarks/tune_rowwise.py one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log).
+    Not LayerNorm: its mean, db share and bias state spill as one block, 3-8x slower."""
+    return is_rms and MAX_BWD_BLOCK < n_cols <= MAX_ROW_BLOCK
 
 
 def bwd_max_block(n_cols: int) -> int:
@@ -374,7 +373,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
-    one_wide = bwd_one_wide_block(n, is_rms, dh_out is not None)
+    one_wide = bwd_one_wide_block(n, is_rms)
     block, num_warps = row_settings(n if one_wide else min(n, bwd_max_block(n)))
     programs = max(1, min(m, num_programs_for(h.device) * (1 if one_wide else bwd_programs_per_sm(block))))
     one_block = n <= block
