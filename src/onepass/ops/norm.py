@@ -65,16 +65,18 @@ from onepass.ops.dispatch import (
 )
 from onepass.ops.partials import sum_partials
 
-
-def bwd_programs_per_sm(block: int) -> int:
-    """Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
-    Rows of at most 2048 values take twice as many, to keep as many bytes in flight. Depends on
-    the row width and SM count; evidence: benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log.
-    """
-    return 4 if block <= 2048 else 2
-
-
 MAX_BWD_BLOCK = 8192
+
+
+def bwd_programs_per_sm(n_cols: int) -> int:
+    """Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
+    Rows of at most 2048 values take twice as many, to keep as many bytes in flight
+    (benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log). Rows wider than
+    MAX_BWD_BLOCK take one: one wide block (bwd_one_wide_block) fills an SM, and the blocked
+    path's read-modify-writes of its partial rows stay in L2 only while they are few (LayerNorm at
+    2048-8192 x 12288-16384: 1.3-1.4x faster than two an SM; tune_rowwise.py wide-layer,
+    results/h100-80gb-hbm3/tune_norm_wide.log)."""
+    return 4 if n_cols <= 2048 else 2 if n_cols <= MAX_BWD_BLOCK else 1
 
 
 def bwd_one_wide_block(n_cols: int, is_rms: bool) -> bool:
@@ -88,12 +90,10 @@ def bwd_one_wide_block(n_cols: int, is_rms: bool) -> bool:
 
 
 def bwd_max_block(n_cols: int) -> int:
-    """The widest row block the backward holds at once; wider rows loop over blocks. One block of
-    16384 (with the dw and db partial rows) spills: LayerNorm's backward of 12288- and 16384-wide
-    rows ran 4-6x slower than in blocks of 8192. Rows that 8192 does not divide (12288) take
-    blocks of 4096, which leave no block part-empty (benchmarks/tune_rowwise.py wide;
-    results/h100-80gb-hbm3/tune_norm_wide.log)."""
-    return MAX_BWD_BLOCK if n_cols <= MAX_BWD_BLOCK or n_cols % MAX_BWD_BLOCK == 0 else MAX_BWD_BLOCK // 2
+    """The widest row block the blocked backward holds at once; wider rows loop over blocks. One block
+    of 16384 with LayerNorm's state spills (bwd_one_wide_block). At one program an SM, blocks of 8192
+    beat 4096 even where 8192 does not divide the row (12288; tune_norm_wide.log)."""
+    return min(n_cols, MAX_BWD_BLOCK)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -374,8 +374,8 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
     one_wide = bwd_one_wide_block(n, is_rms)
-    block, num_warps = row_settings(n if one_wide else min(n, bwd_max_block(n)))
-    programs = max(1, min(m, num_programs_for(h.device) * (1 if one_wide else bwd_programs_per_sm(block))))
+    block, num_warps = row_settings(n if one_wide else bwd_max_block(n))
+    programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(n)))
     one_block = n <= block
     alloc = torch.empty if one_block and m > 0 else torch.zeros  # empty input: zero gradients
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
