@@ -125,9 +125,9 @@ def sweep_norm_bwd_one_wide_block(copy):
 
 
 def sweep_layer_norm_bwd_wide(copy):
-    """LayerNorm backward of wide rows in blocks (one block spills: sweep_norm_bwd_one_wide_block) by
-    programs an SM: each program adds every row's dw and db shares into its fp32 partial rows, whose
-    read-modify-write stays in L2 only while the partials (programs x width x 8 bytes) are small."""
+    """LayerNorm backward of wide rows split by column blocks (one block spills:
+    sweep_norm_bwd_one_wide_block) by the block and programs an SM, timed by CUDA-graph replay (the
+    row sums' pass included)."""
     saved = norm.bwd_programs_per_sm, norm.bwd_max_block
     for rows, n in itertools.product((2048, 8192), (12288, 16384)):
         h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)

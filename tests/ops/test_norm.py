@@ -70,7 +70,7 @@ def test_matches_reference(kind, dtype, shape, device):
 @pytest.mark.parametrize("kind", ["rms", "add_rms", "layer"])
 def test_wide_row_backward(kind, device):
     """8192 < n <= 16384: RMSNorm's backward, with or without the residual, holds the row as one
-    block (norm.bwd_one_wide_block); LayerNorm's takes blocks of 8192."""
+    block (norm.bwd_one_wide_block); LayerNorm's splits it by columns (norm.bwd_max_block)."""
     assert norm.bwd_one_wide_block(9000, kind != "layer") == (kind != "layer")
     assert not norm.bwd_one_wide_block(8192, True)
     x = torch.randn(3, 9000, device=device)

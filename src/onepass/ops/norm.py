@@ -29,7 +29,8 @@ results/h200/tune_rope_layer_norm.log; the earlier numbers are in CHANGELOG.md).
 
 The backward gives each program a contiguous run of rows and keeps its share of dw
 and db in fp32 registers; the per-program partials ([programs, N] fp32) are summed
-once at the end, so no atomics contend.
+once at the end, so no atomics contend. Rows too wide for one program's registers are split
+by columns among programs, after a pass that takes each row's two sums (bwd_max_block).
 """
 
 from __future__ import annotations
@@ -68,31 +69,29 @@ from onepass.ops.partials import sum_partials
 MAX_BWD_BLOCK = 8192
 
 
-def bwd_programs_per_sm(n_cols: int) -> int:
-    """Backward programs per SM: each owns a run of rows and one fp32 partial row of dw/db.
-    Rows of at most 2048 values take twice as many, to keep as many bytes in flight
-    (benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log). Rows wider than
-    MAX_BWD_BLOCK take one: one wide block (bwd_one_wide_block) fills an SM, and the blocked
-    path's read-modify-writes of its partial rows stay in L2 only while they are few (LayerNorm at
-    2048-8192 x 12288-16384: 1.3-1.4x faster than two an SM; tune_rowwise.py wide-layer,
-    results/h100-80gb-hbm3/tune_norm_wide.log)."""
-    return 4 if n_cols <= 2048 else 2 if n_cols <= MAX_BWD_BLOCK else 1
+def bwd_programs_per_sm(block: int) -> int:
+    """Backward programs per SM: each owns a run of rows (of one column block) and keeps its fp32
+    share of dw/db. Blocks of at most 2048 values take twice as many, to keep as many bytes in flight
+    (benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log); one block wider than
+    MAX_BWD_BLOCK (bwd_one_wide_block) fills an SM alone."""
+    return 4 if block <= 2048 else 2 if block <= MAX_BWD_BLOCK else 1
 
 
 def bwd_one_wide_block(n_cols: int, is_rms: bool) -> bool:
     """RMSNorm rows wider than MAX_BWD_BLOCK (up to MAX_ROW_BLOCK) held as one block, each row loaded
     where it is used (the next row's registers, loaded ahead, would spill), one program an SM: one
-    read of the row and its dw share kept in registers, where blocks of 8192 read each row twice and
-    add the share through global memory; with or without the residual stream's gradient
+    read of the row and its dw share kept in registers, where column blocks read each row twice (the
+    sums first, bwd_max_block); with or without the residual stream's gradient
     (benchmarks/tune_rowwise.py one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log).
     Not LayerNorm: its mean, db share and bias state spill as one block, 3-8x slower."""
     return is_rms and MAX_BWD_BLOCK < n_cols <= MAX_ROW_BLOCK
 
 
 def bwd_max_block(n_cols: int) -> int:
-    """The widest row block the blocked backward holds at once; wider rows loop over blocks. One block
-    of 16384 with LayerNorm's state spills (bwd_one_wide_block). At one program an SM, blocks of 8192
-    beat 4096 even where 8192 does not divide the row (12288; tune_norm_wide.log)."""
+    """The widest column block a backward program holds; a wider row's columns are split among
+    programs, each keeping its block's dw/db share in registers over its rows, with the rows' two
+    sums taken first by _norm_bwd_sums_kernel (one more read of dy and h). One block of 16384 with
+    LayerNorm's state spills (bwd_one_wide_block)."""
     return min(n_cols, MAX_BWD_BLOCK)
 
 
@@ -230,96 +229,92 @@ def _norm_bwd_write(dh, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dr
 
 
 @triton.jit
-def _norm_bwd_kernel(
-    dy_ptr, dh_out_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-    dy_row_stride, dh_out_row_stride, h_row_stride, dres_row_stride, dx_row_stride,
-    n_rows, n_cols, rows_per_program, dropout_p, seed,
-    IS_RMS: tl.constexpr, HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
+def _norm_bwd_sums_kernel(
+    dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, sums_ptr, dy_row_stride, h_row_stride, n_rows, n_cols, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Each row's mean(g * hat) and mean(g), for a backward that splits its rows' columns."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     row_start = pid.to(tl.int64) * rows_per_program
+    for i in range(0, tl.minimum(rows_per_program, n_rows - row_start)):
+        row = row_start + i
+        mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
+        rstd = tl.load(rstd_ptr + row)
+        s_hat_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        s_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            m = c < n_cols
+            dy, hat, g = _norm_bwd_block(tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0),
+                                         tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0),
+                                         tl.load(w_ptr + c, mask=m, other=0.0) if HAS_WEIGHT else 0.0,
+                                         m, mean, rstd, IS_RMS, HAS_WEIGHT)
+            s_hat_g += hat * g
+            s_g += g
+        tl.store(sums_ptr + 2 * row, tl.sum(s_hat_g, axis=0) / n_cols)
+        tl.store(sums_ptr + 2 * row + 1, tl.sum(s_g, axis=0) / n_cols)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    dy_ptr, dh_out_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, sums_ptr, dres_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    dy_row_stride, dh_out_row_stride, h_row_stride, dres_row_stride, dx_row_stride,
+    n_rows, n_cols, rows_per_program, dropout_p, seed,
+    IS_RMS: tl.constexpr, HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SUMS_GIVEN: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Program (p, c): the rows of run p, columns of block c. With one block a row (SUMS_GIVEN off)
+    the row's two sums are taken here; wider rows take them from _norm_bwd_sums_kernel."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_start = pid.to(tl.int64) * rows_per_program
     n_mine = tl.minimum(rows_per_program, n_rows - row_start)
     part = pid.to(tl.int64) * n_cols
-    if ONE_BLOCK:
-        mask = cols < n_cols
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 0.0
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # Rows are software-pipelined by hand: the next row's loads are issued before this
-        # row's reductions, so every program keeps two rows of reads in flight.
-        # A scalar condition joins a block mask through tl.where, not &: Triton's interpreter splats a
-        # scalar comparison as its operands' integer type, and Triton 3.9's refuses such a mask.
-        # PREFETCH off: rows loaded where used (a wide row's next-row registers would spill).
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 0.0
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Rows are software-pipelined by hand: the next row's loads are issued before this
+    # row's reductions, so every program keeps two rows of reads in flight.
+    # A scalar condition joins a block mask through tl.where, not &: Triton's interpreter splats a
+    # scalar comparison as its operands' integer type, and Triton 3.9's refuses such a mask.
+    # PREFETCH off: rows loaded where used (a wide row's next-row registers would spill).
+    if PREFETCH:
+        first = tl.where(n_mine > 0, mask, False)
+        dy_next = tl.load(dy_ptr + row_start * dy_row_stride + cols, mask=first, other=0.0)
+        h_next = tl.load(h_ptr + row_start * h_row_stride + cols, mask=first, other=0.0)
+    for i in range(0, n_mine):
+        row = row_start + i
         if PREFETCH:
-            first = tl.where(n_mine > 0, mask, False)
-            dy_next = tl.load(dy_ptr + row_start * dy_row_stride + cols, mask=first, other=0.0)
-            h_next = tl.load(h_ptr + row_start * h_row_stride + cols, mask=first, other=0.0)
-        for i in range(0, n_mine):
-            row = row_start + i
-            if PREFETCH:
-                dy_raw, h_raw = dy_next, h_next
-                more = tl.where(i + 1 < n_mine, mask, False)
-                dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
-                h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
-            else:
-                dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
-                h_raw = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0)
-            mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
-            rstd = tl.load(rstd_ptr + row)
-            dy, hat, g = _norm_bwd_block(dy_raw, h_raw, w, mask, mean, rstd, IS_RMS, HAS_WEIGHT)
+            dy_raw, h_raw = dy_next, h_next
+            more = tl.where(i + 1 < n_mine, mask, False)
+            dy_next = tl.load(dy_ptr + (row + 1) * dy_row_stride + cols, mask=more, other=0.0)
+            h_next = tl.load(h_ptr + (row + 1) * h_row_stride + cols, mask=more, other=0.0)
+        else:
+            dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+            h_raw = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0)
+        mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
+        rstd = tl.load(rstd_ptr + row)
+        dy, hat, g = _norm_bwd_block(dy_raw, h_raw, w, mask, mean, rstd, IS_RMS, HAS_WEIGHT)
+        if SUMS_GIVEN:
+            c1 = tl.load(sums_ptr + 2 * row)
+            c2 = tl.load(sums_ptr + 2 * row + 1)
+        else:
             c1 = tl.sum(hat * g, axis=0) / n_cols
-            dh = g - hat * c1
-            if not IS_RMS:
-                dh -= tl.sum(g, axis=0) / n_cols
-            _norm_bwd_write(dh * rstd, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dres_row_stride,
-                            dx_row_stride, cols, mask, n_cols, dropout_p, seed, HAS_DH_OUT, HAS_DROPOUT, WRITE_DX)
-            dw_acc += dy * hat
-            db_acc += dy
-        if HAS_WEIGHT:
-            tl.store(dw_part_ptr + part + cols, dw_acc, mask=mask)
-        if HAS_BIAS:
-            tl.store(db_part_ptr + part + cols, db_acc, mask=mask)
-    else:
-        # Long rows: pass 1 gathers the row's two sums, pass 2 writes dx and adds this
-        # row's share of dw/db into the program's own (zeroed) partial row.
-        for i in range(0, n_mine):
-            row = row_start + i
-            mean = tl.load(mean_ptr + row) if not IS_RMS else 0.0
-            rstd = tl.load(rstd_ptr + row)
-            s_hat_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            s_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                m = c < n_cols
-                dy, hat, g = _norm_bwd_block(tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0),
-                                             tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0),
-                                             tl.load(w_ptr + c, mask=m, other=0.0) if HAS_WEIGHT else 0.0,
-                                             m, mean, rstd, IS_RMS, HAS_WEIGHT)
-                s_hat_g += hat * g
-                s_g += g
-            c1 = tl.sum(s_hat_g, axis=0) / n_cols
-            c2 = tl.sum(s_g, axis=0) / n_cols
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                m = c < n_cols
-                dy, hat, g = _norm_bwd_block(tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0),
-                                             tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0),
-                                             tl.load(w_ptr + c, mask=m, other=0.0) if HAS_WEIGHT else 0.0,
-                                             m, mean, rstd, IS_RMS, HAS_WEIGHT)
-                dh = g - hat * c1
-                if not IS_RMS:
-                    dh -= c2
-                _norm_bwd_write(dh * rstd, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dres_row_stride,
-                                dx_row_stride, c, m, n_cols, dropout_p, seed, HAS_DH_OUT, HAS_DROPOUT, WRITE_DX)
-                if HAS_WEIGHT:
-                    acc = tl.load(dw_part_ptr + part + c, mask=m, other=0.0)
-                    tl.store(dw_part_ptr + part + c, acc + dy * hat, mask=m)
-                if HAS_BIAS:
-                    acc = tl.load(db_part_ptr + part + c, mask=m, other=0.0)
-                    tl.store(db_part_ptr + part + c, acc + dy, mask=m)
+            c2 = tl.sum(g, axis=0) / n_cols
+        dh = g - hat * c1
+        if not IS_RMS:
+            dh -= c2
+        _norm_bwd_write(dh * rstd, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dres_row_stride,
+                        dx_row_stride, cols, mask, n_cols, dropout_p, seed, HAS_DH_OUT, HAS_DROPOUT, WRITE_DX)
+        dw_acc += dy * hat
+        db_acc += dy
+    if HAS_WEIGHT:
+        tl.store(dw_part_ptr + part + cols, dw_acc, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_part_ptr + part + cols, db_acc, mask=mask)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -375,23 +370,30 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
     one_wide = bwd_one_wide_block(n, is_rms)
     block, num_warps = row_settings(n if one_wide else bwd_max_block(n))
-    programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(n)))
-    one_block = n <= block
-    alloc = torch.empty if one_block and m > 0 else torch.zeros  # empty input: zero gradients
+    col_blocks = max(1, cdiv(n, block))  # past one block a row, each program owns one column block of its rows
+    programs = max(1, min(m, cdiv(num_programs_for(h.device) * bwd_programs_per_sm(block), col_blocks)))
+    alloc = torch.empty if m > 0 else torch.zeros  # every program writes its columns; empty input: zeros
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
     db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if bias_dtype is not None else None
     if m > 0 and n > 0:
         weight = weight.contiguous() if weight is not None else None
+        w_arg, mean_arg = weight if weight is not None else h2, mean if mean is not None else rstd
+        sums = None
+        if col_blocks > 1:
+            sums = torch.empty(m, 2, dtype=torch.float32, device=h.device)
+            sum_programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(block)))
+            launch(_norm_bwd_sums_kernel, (sum_programs,), dy2, h2, w_arg, mean_arg, rstd, sums, dy2.stride(0),
+                   h2.stride(0), m, n, cdiv(m, sum_programs), IS_RMS=is_rms, HAS_WEIGHT=weight is not None,
+                   BLOCK_N=block, num_warps=num_warps)
         dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dy2)  # (placeholder: an input)
-        launch(_norm_bwd_kernel, (programs,),
-            dy2, dh_out2, h2, weight if weight is not None else h2, mean if mean is not None else rstd, rstd, dres2,
-            dx2,
+        launch(_norm_bwd_kernel, (programs, col_blocks),
+            dy2, dh_out2, h2, w_arg, mean_arg, rstd, sums if sums is not None else rstd, dres2, dx2,
             dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
             dy2.stride(0), dh_out2.stride(0), h2.stride(0), dres2.stride(0), dx2.stride(0),
             m, n, cdiv(m, programs), dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block, ONE_BLOCK=one_block,
-            PREFETCH=not one_wide, num_warps=num_warps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block,
+            SUMS_GIVEN=col_blocks > 1, PREFETCH=not one_wide, num_warps=num_warps,
         )
     buffers = [(dw_part, weight.dtype)] if weight is not None else []
     buffers += [(db_part, bias_dtype)] if bias_dtype is not None else []
