@@ -1,6 +1,7 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
-    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [activation]
+    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [wide-layer-fwd]
+                                      [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -148,6 +149,31 @@ def sweep_layer_norm_bwd_wide(copy):
     norm.bwd_programs_per_sm, norm.bwd_max_block = saved
 
 
+def sweep_layer_norm_fwd_wide(copy):
+    """LayerNorm forward of wide rows (the full sweep's weakest cells: 0.62-0.77x torch.compile at
+    12288 and 16384) by the block held at once and warps, timed by CUDA-graph replay."""
+    saved = norm.row_settings
+    for rows, n in itertools.product((4096, 16384), (8192, 12288, 16384)):
+        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        step = functools.partial(norm._norm_fwd_launch, x, None, w, b, 1e-5, 0.0, 0, False, x.dtype)
+        ref = step()[0].float()
+        for block, warps in itertools.product((4096, 8192, 16384), (8, 16, 32)):
+            if block > 2 * n:
+                continue
+            norm.row_settings = lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_)
+            err = ((step()[0].float() - ref).norm() / ref.norm()).item()
+            us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
+            print(f"norm layer fwd {rows}x{n} block={block:<5} warps={warps:<2} {us:8.1f} us "
+                  f"{2 * x.numel() * 2 / us / 1e3 / copy:6.1%} (rel. diff {err:.1e})", flush=True)
+        norm.row_settings = saved
+        compiled = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (n,), w, b, 1e-5))
+        compiled(x)
+        us = do_bench_cudagraph(lambda: compiled(x), rep=100, return_mode="median") * 1e3
+        print(f"norm layer fwd {rows}x{n} torch.compile        {us:8.1f} us {2 * x.numel() * 2 / us / 1e3 / copy:6.1%}",
+              flush=True)
+
+
 def sweep_activation(copy):
     n = 8192
     g = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
@@ -219,6 +245,8 @@ if __name__ == "__main__":
         sweep_norm_bwd_wide(ceilings.copy_gbps)
     if "one-wide-block" in parts:
         sweep_norm_bwd_one_wide_block(ceilings.copy_gbps)
+    if "wide-layer-fwd" in parts:
+        sweep_layer_norm_fwd_wide(ceilings.copy_gbps)
     if "wide-layer" in parts:
         sweep_layer_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:
