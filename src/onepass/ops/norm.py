@@ -69,6 +69,12 @@ from onepass.ops.partials import sum_partials
 MAX_BWD_BLOCK = 8192
 
 
+# LayerNorm rows wider than 8192 read in blocks of 4096 by 16 warps (its passes re-read the row from
+# L2): one block of 16384 holds too much a thread. H100, 4096-16384 rows x 12288 / 16384: 87-94% of
+# copy against 62-75% (tune_rowwise.py wide-layer-fwd, results/h100-80gb-hbm3/tune_norm_wide.log).
+WIDE_LAYER_NORM_FWD = (4096, 16)
+
+
 def bwd_programs_per_sm(block: int) -> int:
     """Backward programs per SM: each owns a run of rows (of one column block) and keeps its fp32
     share of dw/db. Blocks of at most 2048 values take twice as many, to keep as many bytes in flight
@@ -336,6 +342,8 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     # Values a thread (so warps, by the row width): 16 for plain RMSNorm, 32 for LayerNorm and the add_* forms;
     # evidence: benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log (numbers in CHANGELOG.md).
     block, num_warps = row_settings(n, values_per_thread=16 if is_rms and residual is None else 32)
+    if not is_rms and n > MAX_BWD_BLOCK:
+        block, num_warps = WIDE_LAYER_NORM_FWD
     launch(_norm_fwd_kernel, (m,),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
         y2, h2, mean if mean is not None else x2, rstd,
