@@ -109,10 +109,10 @@ def sweep_norm_bwd_one_wide_block(copy):
         step = functools.partial(norm._norm_bwd_launch, dy, dh_out, h, w, None if is_rms else h.dtype,
                                  None if is_rms else mean, rstd, 0.0, 0, is_rms, h.dtype, residual,
                                  False if residual else (True, True))
-        norm.bwd_one_wide_block = lambda *a: False
+        blocks, one = (lambda *a: False), (lambda *a: True)
+        norm.bwd_one_wide_block = blocks
         ref = step()[0].float()
-        one = lambda *a: True  # noqa: E731
-        variants = [("blocks of bwd_max_block", (lambda *a: False, saved[1]))]
+        variants = [("blocks of bwd_max_block", (blocks, saved[1]))]
         variants += [(f"one block, {warps} warps", (one, lambda cols, values_per_thread=16, w_=warps: (
             saved[1](cols)[0], w_))) for warps in (8, 16, 32)]
         for name, (one_wide, settings) in variants:

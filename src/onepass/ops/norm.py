@@ -66,12 +66,14 @@ from onepass.ops.dispatch import (
 )
 from onepass.ops.partials import sum_partials
 
-MAX_BWD_BLOCK = 8192
+# Past this many values a row is wide: a program's registers hold no more of it with the norm's state.
+# The backward splits a wide row's columns (or holds RMSNorm's, up to MAX_ROW_BLOCK, as one block);
+# LayerNorm's forward reads it in blocks (WIDE_LAYER_NORM_FWD).
+WIDE_ROW = 8192
 
-
-# LayerNorm rows wider than 8192 read in blocks of 4096 by 16 warps (its passes re-read the row from
-# L2): one block of 16384 holds too much a thread. H100, 4096-16384 rows x 12288 / 16384: 87-94% of
-# copy against 62-75% (tune_rowwise.py wide-layer-fwd, results/h100-80gb-hbm3/tune_norm_wide.log).
+# (BLOCK_N, num_warps) of LayerNorm's forward on wide rows: blocks of 4096 by 16 warps, its passes
+# re-reading the row from L2, where one block of 16384 holds too much a thread (tune_rowwise.py
+# wide-layer-fwd, results/h100-80gb-hbm3/tune_norm_wide.log).
 WIDE_LAYER_NORM_FWD = (4096, 16)
 
 
@@ -79,18 +81,18 @@ def bwd_programs_per_sm(block: int) -> int:
     """Backward programs per SM: each owns a run of rows (of one column block) and keeps its fp32
     share of dw/db. Blocks of at most 2048 values take twice as many, to keep as many bytes in flight
     (benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log); one block wider than
-    MAX_BWD_BLOCK (bwd_one_wide_block) fills an SM alone."""
-    return 4 if block <= 2048 else 2 if block <= MAX_BWD_BLOCK else 1
+    WIDE_ROW (bwd_one_wide_block) fills an SM alone."""
+    return 4 if block <= 2048 else 2 if block <= WIDE_ROW else 1
 
 
 def bwd_one_wide_block(n_cols: int, is_rms: bool) -> bool:
-    """RMSNorm rows wider than MAX_BWD_BLOCK (up to MAX_ROW_BLOCK) held as one block, each row loaded
+    """RMSNorm rows wider than WIDE_ROW (up to MAX_ROW_BLOCK) held as one block, each row loaded
     where it is used (the next row's registers, loaded ahead, would spill), one program an SM: one
     read of the row and its dw share kept in registers, where column blocks read each row twice (the
     sums first, bwd_max_block); with or without the residual stream's gradient
     (benchmarks/tune_rowwise.py one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log).
-    Not LayerNorm: its mean, db share and bias state spill as one block, 3-8x slower."""
-    return is_rms and MAX_BWD_BLOCK < n_cols <= MAX_ROW_BLOCK
+    Not LayerNorm: its mean, db share and bias state spill as one block (the same log)."""
+    return is_rms and WIDE_ROW < n_cols <= MAX_ROW_BLOCK
 
 
 def bwd_max_block(n_cols: int) -> int:
@@ -98,7 +100,7 @@ def bwd_max_block(n_cols: int) -> int:
     programs, each keeping its block's dw/db share in registers over its rows, with the rows' two
     sums taken first by _norm_bwd_sums_kernel (one more read of dy and h). One block of 16384 with
     LayerNorm's state spills (bwd_one_wide_block)."""
-    return min(n_cols, MAX_BWD_BLOCK)
+    return min(n_cols, WIDE_ROW)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -342,7 +344,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     # Values a thread (so warps, by the row width): 16 for plain RMSNorm, 32 for LayerNorm and the add_* forms;
     # evidence: benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log (numbers in CHANGELOG.md).
     block, num_warps = row_settings(n, values_per_thread=16 if is_rms and residual is None else 32)
-    if not is_rms and n > MAX_BWD_BLOCK:
+    if not is_rms and n > WIDE_ROW:
         block, num_warps = WIDE_LAYER_NORM_FWD
     launch(_norm_fwd_kernel, (m,),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
