@@ -1,0 +1,147 @@
+"""Launch settings of the row-wise kernels at the sweep's weakest cells, against the sweep's peers
+(bf16, GPU time: the profiler's kernel sum, as `onepass bench sweep` reports it).
+
+    python benchmarks/tune_cells.py [rms-fwd] [layer-fwd] [softmax] [rope] [swiglu]
+
+Each study takes cells of the sweep's grid (its cases, so the same inputs and peers), times
+every peer once, then onepass under each setting (module constants or settings functions
+patched for the run), each setting checked against eager first. Prints one line a
+setting: GPU time and its ratio to the best peer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import onepass.ops.activation as act
+import onepass.ops.norm as norm
+import onepass.ops.rope as rope
+import onepass.ops.softmax as softmax
+from onepass.bench.harness import kernel_ms, measure_ceilings
+from onepass.bench.sweep import PEERS, check
+from onepass.ops.dispatch import next_power_of_2, row_settings
+
+STEPS = 20  # profiled steps a timing
+
+
+@dataclass
+class Study:
+    suite: str
+    op: str
+    modes: tuple[str, ...]
+    cells: tuple[dict, ...]
+    settings: Callable[[dict], list[tuple[str, dict]]]  # cell -> [(label, {(module, attr): value})]
+    shape_has: str = ""
+
+
+def _row_blocks(n: int) -> list[tuple[str, dict]]:
+    """(BLOCK_N, num_warps) of a norm forward: one block by warps, and smaller looped blocks."""
+    one = next_power_of_2(n)
+    out = []
+    for warps in (2, 4, 8, 16, 32):
+        if 4 <= one // (32 * warps) <= 128:
+            out.append((one, warps))
+    out += [(b, w) for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)) if b < n]
+    return [(f"block={b} warps={w}", {(norm, "row_settings"): lambda _n, values_per_thread=16, b_=b, w_=w: (b_, w_)})
+            for b, w in out]
+
+
+def _softmax_tiles(cell: dict) -> list[tuple[str, dict]]:
+    block_n = row_settings(cell["seq"])[0]
+    tiles = sorted({(tile // block_n, block_n, max(1, min(16, tile // (32 * per_thread))))
+                    for tile, per_thread in itertools.product((1024, 2048, 4096, 8192, 16384), (4, 8, 16, 32))
+                    if tile >= block_n})
+    return [(f"rows={m} block={n} warps={w}", {(softmax, "_settings"): lambda _n, s_=(m, n, w): s_})
+            for m, n, w in tiles]
+
+
+def _rope_tiles(cell: dict) -> list[tuple[str, dict]]:
+    return [(f"tile={t} warps={w}", {(rope, "TILE_ELEMENTS"): t, (rope, "NUM_WARPS"): w})
+            for t, w in itertools.product((512, 1024, 2048, 4096), (1, 2, 4)) if t // (32 * w) >= 4]
+
+
+def _flat_tiles(cell: dict) -> list[tuple[str, dict]]:
+    return [(f"block={b} warps={w}", {(act, "TILE_FLAT"): (1, b, w)})
+            for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))]
+
+
+STUDIES = {
+    "rms-fwd": Study("norm", "rms_norm", ("fwd",), tuple(
+        {"rows": r, "hidden": h} for r, h in ((1024, 8192), (1024, 12288), (4096, 3072), (4096, 4096), (4096, 8192),
+                                              (16384, 768), (16384, 2048), (16384, 4096), (16384, 5120),
+                                              (65536, 5120))),
+        lambda cell: _row_blocks(cell["hidden"])),
+    "layer-fwd": Study("norm", "layer_norm", ("fwd",), tuple(
+        {"rows": r, "hidden": h} for r, h in ((4096, 4096), (16384, 768), (16384, 4096), (4096, 8192))),
+        lambda cell: _row_blocks(cell["hidden"])),
+    "softmax": Study("softmax", "softmax", ("fwd", "fwd+bwd"), tuple(
+        {"batch_heads": b, "seq": s} for b, s in ((32, 1024), (128, 1024), (32, 2048), (32, 4096))),
+        _softmax_tiles, shape_has="causal"),
+    "rope": Study("rope", "rope", ("fwd", "fwd+bwd"), tuple(
+        {"batch": 4, "seq": s, "head_dim": d} for s, d in ((4096, 80), (16384, 80), (16384, 64), (4096, 128),
+                                                           (4096, 256))),
+        _rope_tiles),
+    "swiglu": Study("activation", "swiglu", ("fwd", "fwd+bwd"), tuple(
+        {"rows": r, "hidden": h} for r, h in ((1024, 5632), (4096, 2048), (16384, 8192))),
+        _flat_tiles),
+}
+
+
+def _patched(patches: dict):
+    saved = {key: getattr(*key) for key in patches}
+
+    def undo():
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
+
+    for (module, attr), value in patches.items():
+        setattr(module, attr, value)
+    return undo
+
+
+def run(study: Study) -> None:
+    suite = importlib.import_module(f"onepass.bench.suites.{study.suite}")
+    for cell in study.cells:
+        for case in suite.cases(**cell):
+            if case.op != study.op or case.mode not in study.modes or study.shape_has not in case.shape:
+                continue
+            torch._dynamo.reset()
+            thunks = case.make()
+            peers = {}
+            for name in PEERS:
+                if name in thunks:
+                    thunks[name]()
+                    peers[name] = kernel_ms(thunks[name], STEPS)
+            best, best_ms = min(peers.items(), key=lambda kv: kv[1])
+            print(f"{case.op} {case.mode} {case.shape}: best peer {best} {best_ms * 1e3:.1f} us "
+                  f"({', '.join(f'{k} {v * 1e3:.1f}' for k, v in peers.items())})", flush=True)
+            for label, patches in [("current", {})] + study.settings(cell):
+                undo = _patched(patches)
+                try:
+                    verdict = check(thunks)
+                    if not verdict["passed"]:
+                        print(f"    {label:<34} check failed: {verdict}", flush=True)
+                        continue
+                    thunks["onepass"]()
+                    ms = kernel_ms(thunks["onepass"], STEPS)
+                    print(f"    {label:<34} {ms * 1e3:8.1f} us  {best_ms / ms:5.2f}x best peer", flush=True)
+                except Exception as e:  # a setting out of resources: reported, not fatal
+                    print(f"    {label:<34} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                finally:
+                    undo()
+            del thunks
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(STUDIES)
+    ceilings = measure_ceilings()
+    print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s; torch {torch.__version__}")
+    for name in names:
+        run(STUDIES[name])
