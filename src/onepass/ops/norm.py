@@ -77,6 +77,21 @@ WIDE_ROW = 8192
 WIDE_LAYER_NORM_FWD = (4096, 16)
 
 
+def fwd_settings(n_cols: int, is_rms: bool, has_residual: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the forward. Values a thread (so warps, by the row width): 16 for plain
+    RMSNorm, 32 for LayerNorm and the add_* forms (benchmarks/tune_rowwise.py norm,
+    results/h200/tune_norm_bwd.log). Plain RMSNorm counts them over the row's width rounded down to a
+    power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
+    (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log). LayerNorm's wide rows:
+    WIDE_LAYER_NORM_FWD."""
+    if not is_rms and n_cols > WIDE_ROW:
+        return WIDE_LAYER_NORM_FWD
+    if is_rms and not has_residual:
+        block, _ = row_settings(n_cols)
+        return block, row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1]
+    return row_settings(n_cols, values_per_thread=32)
+
+
 def bwd_programs_per_sm(block: int) -> int:
     """Backward programs per SM: each owns a run of rows (of one column block) and keeps its fp32
     share of dw/db. Blocks of at most 2048 values take twice as many, to keep as many bytes in flight
@@ -341,11 +356,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
     res2 = as_rows(residual) if residual is not None else x2
     y2 = y.view(m, n)
     h2 = h.view(m, n) if h is not None else x2  # (placeholders are inputs: see dispatch.triton_op)
-    # Values a thread (so warps, by the row width): 16 for plain RMSNorm, 32 for LayerNorm and the add_* forms;
-    # evidence: benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log (numbers in CHANGELOG.md).
-    block, num_warps = row_settings(n, values_per_thread=16 if is_rms and residual is None else 32)
-    if not is_rms and n > WIDE_ROW:
-        block, num_warps = WIDE_LAYER_NORM_FWD
+    block, num_warps = fwd_settings(n, is_rms, residual is not None)
     launch(_norm_fwd_kernel, (m,),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
         y2, h2, mean if mean is not None else x2, rstd,

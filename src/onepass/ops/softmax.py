@@ -51,9 +51,11 @@ from onepass.ops.dispatch import (
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(z) = exp2(z * log2(e))
 
-# A tile holds at least TILE_ELEMENTS scores (several short rows per program), warps follow the tile as in
-# row_settings. No script in benchmarks/ sweeps it yet; the op's times: benchmarks/results/h200/softmax.md.
-TILE_ELEMENTS = 2048
+# A tile holds at least TILE_ELEMENTS scores (several short rows per program), VALUES_PER_THREAD of them a
+# thread: one row of 1024 to 4096 a program with 32 values a thread was the fastest of the tiles and warps
+# benchmarks/tune_cells.py softmax tried (results/h100-80gb-hbm3/tune_cells.log).
+TILE_ELEMENTS = 1024
+VALUES_PER_THREAD = 32
 
 NO_MASK, BOOL_MASK, ADD_MASK = 0, 1, 2
 
@@ -180,7 +182,7 @@ def _settings(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): short rows share a tile of TILE_ELEMENTS scores."""
     block_n, _ = row_settings(n_cols)
     block_m = max(1, TILE_ELEMENTS // block_n)
-    num_warps = max(1, min(16, block_m * block_n // 512))
+    num_warps = max(1, min(16, block_m * block_n // (32 * VALUES_PER_THREAD)))
     return block_m, block_n, num_warps
 
 
