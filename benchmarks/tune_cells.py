@@ -1,7 +1,7 @@
 """Launch settings of the row-wise kernels at the sweep's weakest cells, against the sweep's peers
 (bf16, GPU time: the profiler's kernel sum, as `onepass bench sweep` reports it).
 
-    python benchmarks/tune_cells.py [rms-fwd] [layer-fwd] [softmax] [rope] [swiglu]
+    python benchmarks/tune_cells.py [rms-fwd] [layer-fwd] [softmax] [rope] [swiglu] [liger-in-place]
 
 Each study takes cells of the sweep's grid (its cases, so the same inputs and peers), times
 onepass under each setting (module constants or settings functions patched for the run), each
@@ -142,9 +142,26 @@ def run(study: Study) -> None:
             torch.cuda.empty_cache()
 
 
+def liger_in_place() -> None:
+    from liger_kernel.transformers.functional import liger_rms_norm
+
+    from onepass import ops
+    from onepass.bench.case import fwd_bwd
+
+    for rows, n in ((4096, 16384), (16384, 12288), (65536, 12288), (16384, 4096)):
+        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        steps = {"onepass": fwd_bwd(ops.rms_norm, x, w, 1e-6),
+                 "liger in place": fwd_bwd(liger_rms_norm, x, w, 1e-6),
+                 "liger out of place": fwd_bwd(liger_rms_norm, x, w, 1e-6, in_place=False)}
+        for name, step in steps.items():
+            step()
+            print(f"rms_norm fwd+bwd {rows}x{n} {name:<20} {kernel_ms(step, STEPS) * 1e3:8.1f} us", flush=True)
+
+
 if __name__ == "__main__":
     names = sys.argv[1:] or list(STUDIES)
     ceilings = measure_ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s; torch {torch.__version__}")
     for name in names:
-        run(STUDIES[name])
+        liger_in_place() if name == "liger-in-place" else run(STUDIES[name])
