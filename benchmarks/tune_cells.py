@@ -142,6 +142,34 @@ def run(study: Study) -> None:
             torch.cuda.empty_cache()
 
 
+class _TorchGivingDy:
+    """torch for norm.py's backward launcher, whose empty() of dy's shape and dtype returns dy itself."""
+
+    def __init__(self, dy):
+        self.dy = dy
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, shape, dtype=None, device=None):
+        if tuple(shape) == tuple(self.dy.shape) and dtype == self.dy.dtype and self.dy.is_contiguous():
+            return self.dy
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dx_over_dy(launcher):
+    """onepass's norm backward launcher writing d(input) over the incoming gradient, as Liger's does."""
+
+    def in_place(dy, *args):
+        norm.torch = _TorchGivingDy(dy)
+        try:
+            return launcher(dy, *args)
+        finally:
+            norm.torch = torch
+
+    return in_place
+
+
 def liger_in_place() -> None:
     from liger_kernel.transformers.functional import liger_rms_norm
 
@@ -152,11 +180,22 @@ def liger_in_place() -> None:
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         steps = {"onepass": fwd_bwd(ops.rms_norm, x, w, 1e-6),
+                 "onepass dx over dy": fwd_bwd(ops.rms_norm, x, w, 1e-6),
                  "liger in place": fwd_bwd(liger_rms_norm, x, w, 1e-6),
                  "liger out of place": fwd_bwd(liger_rms_norm, x, w, 1e-6, in_place=False)}
+        gy = torch.randn_like(x)
+        reference = None
         for name, step in steps.items():
+            undo = _patched({(norm, "_norm_bwd_launch"): _dx_over_dy(norm._norm_bwd_launch)} if "over" in name else {})
+            x.grad = w.grad = None
+            fn, kwargs = (liger_rms_norm, {"in_place": "out" not in name}) if "liger" in name else (ops.rms_norm, {})
+            fn(x, w, 1e-6, **kwargs).backward(gy.clone())  # the same dy for every variant: dx compared
+            reference = x.grad.float() if reference is None else reference
+            diff = ((x.grad.float() - reference).norm() / reference.norm()).item()
             step()
-            print(f"rms_norm fwd+bwd {rows}x{n} {name:<20} {kernel_ms(step, STEPS) * 1e3:8.1f} us", flush=True)
+            print(f"rms_norm fwd+bwd {rows}x{n} {name:<20} {kernel_ms(step, STEPS) * 1e3:8.1f} us "
+                  f"(dx against onepass's: rel. diff {diff:.1e})", flush=True)
+            undo()
 
 
 if __name__ == "__main__":
