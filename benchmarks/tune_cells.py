@@ -195,6 +195,12 @@ def liger_in_place() -> None:
             step()
             print(f"rms_norm fwd+bwd {rows}x{n} {name:<20} {kernel_ms(step, STEPS) * 1e3:8.1f} us "
                   f"(dx against onepass's: rel. diff {diff:.1e})", flush=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(STEPS):
+                    step()
+                torch.cuda.synchronize()
+            for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:4]:
+                print(f"    {event.key[:60]:<60} {event.device_time_total / STEPS:8.1f} us a step")
             undo()
 
 
