@@ -95,7 +95,7 @@ def sweep_norm_bwd_wide(copy):
 
 def sweep_norm_bwd_one_wide_block(copy):
     """Norm backward of wide rows as one block (norm.bwd_one_wide_block) by warps, against blocks of
-    bwd_max_block, timed by CUDA-graph replay: the plain RMSNorm (the rule's case), LayerNorm, and
+    bwd_max_block, timed by CUDA-graph replay: the plain RMSNorm, LayerNorm, and
     the residual form (a decoder layer's: the stream's gradient read too, d(residual) written)."""
     saved = norm.bwd_one_wide_block, norm.row_settings
     kinds = (("rms", True, False), ("layer", False, False), ("add_rms", True, True))
@@ -126,9 +126,9 @@ def sweep_norm_bwd_one_wide_block(copy):
 
 
 def sweep_layer_norm_bwd_wide(copy):
-    """LayerNorm backward of wide rows split by column blocks (one block spills:
-    sweep_norm_bwd_one_wide_block) by the block and programs an SM, timed by CUDA-graph replay (the
-    row sums' pass included)."""
+    """LayerNorm backward of wide rows split by column blocks (the path of rows past MAX_ROW_BLOCK;
+    at 12288-16384 one block read twice is faster: sweep_norm_bwd_one_wide_block) by the block and
+    programs an SM, timed by CUDA-graph replay (the row sums' pass included)."""
     saved = norm.bwd_programs_per_sm, norm.bwd_max_block
     for rows, n in itertools.product((2048, 8192), (12288, 16384)):
         h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)

@@ -69,10 +69,10 @@ def test_matches_reference(kind, dtype, shape, device):
 
 @pytest.mark.parametrize("kind", ["rms", "add_rms", "layer"])
 def test_wide_row_backward(kind, device):
-    """8192 < n <= 16384: RMSNorm's backward, with or without the residual, holds the row as one
-    block (norm.bwd_one_wide_block); LayerNorm's splits it by columns (norm.bwd_max_block)."""
-    assert norm.bwd_one_wide_block(9000, kind != "layer") == (kind != "layer")
-    assert not norm.bwd_one_wide_block(8192, True)
+    """8192 < n <= 16384: the backward holds the row as one block, read twice
+    (norm.bwd_one_wide_block); past 16384 it splits the row by columns (SHAPES' 20000)."""
+    assert norm.bwd_one_wide_block(9000) and not norm.bwd_one_wide_block(8192)
+    assert not norm.bwd_one_wide_block(16385)
     x = torch.randn(3, 9000, device=device)
     res = torch.randn(3, 9000, device=device) if kind.startswith("add") else None
     b = torch.randn(9000, device=device) if kind.endswith("layer") else None

@@ -29,8 +29,9 @@ results/h200/tune_rope_layer_norm.log; the earlier numbers are in CHANGELOG.md).
 
 The backward gives each program a contiguous run of rows and keeps its share of dw
 and db in fp32 registers; the per-program partials ([programs, N] fp32) are summed
-once at the end, so no atomics contend. Rows too wide for one program's registers are split
-by columns among programs, after a pass that takes each row's two sums (bwd_max_block).
+once at the end, so no atomics contend. A row up to MAX_ROW_BLOCK is one program's block (read
+twice when wider than WIDE_ROW: bwd_one_wide_block); longer rows are split by columns among
+programs, after a pass that takes each row's two sums (bwd_max_block).
 """
 
 from __future__ import annotations
@@ -100,21 +101,22 @@ def bwd_programs_per_sm(block: int) -> int:
     return 4 if block <= 2048 else 2 if block <= WIDE_ROW else 1
 
 
-def bwd_one_wide_block(n_cols: int, is_rms: bool) -> bool:
-    """RMSNorm rows wider than WIDE_ROW (up to MAX_ROW_BLOCK) held as one block, each row loaded
-    where it is used (the next row's registers, loaded ahead, would spill), one program an SM: one
-    read of the row and its dw share kept in registers, where column blocks read each row twice (the
-    sums first, bwd_max_block); with or without the residual stream's gradient
-    (benchmarks/tune_rowwise.py one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log).
-    Not LayerNorm: its mean, db share and bias state spill as one block (the same log)."""
-    return is_rms and WIDE_ROW < n_cols <= MAX_ROW_BLOCK
+def bwd_one_wide_block(n_cols: int) -> bool:
+    """Rows wider than WIDE_ROW (up to MAX_ROW_BLOCK) held as one block, one program an SM, each row
+    loaded where it is used (the next row's registers, loaded ahead, would spill) and read twice, the
+    second time from L1/L2 (its sums first, then dh and the dw/db share, which stay in registers):
+    one read from memory, where column blocks need the sums' pass over memory first
+    (bwd_max_block). RMSNorm with or without the residual stream's gradient, and LayerNorm
+    (benchmarks/tune_rowwise.py one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log,
+    run 3)."""
+    return WIDE_ROW < n_cols <= MAX_ROW_BLOCK
 
 
 def bwd_max_block(n_cols: int) -> int:
-    """The widest column block a backward program holds; a wider row's columns are split among
-    programs, each keeping its block's dw/db share in registers over its rows, with the rows' two
-    sums taken first by _norm_bwd_sums_kernel (one more read of dy and h). One block of 16384 with
-    LayerNorm's state spills (bwd_one_wide_block)."""
+    """The widest column block a backward program holds; a wider row's columns (past MAX_ROW_BLOCK:
+    bwd_one_wide_block) are split among programs, each keeping its block's dw/db share in registers
+    over its rows, with the rows' two sums taken first by _norm_bwd_sums_kernel (one more read of dy
+    and h)."""
     return min(n_cols, WIDE_ROW)
 
 
@@ -303,7 +305,7 @@ def _norm_bwd_kernel(
     # row's reductions, so every program keeps two rows of reads in flight.
     # A scalar condition joins a block mask through tl.where, not &: Triton's interpreter splats a
     # scalar comparison as its operands' integer type, and Triton 3.9's refuses such a mask.
-    # PREFETCH off: rows loaded where used (a wide row's next-row registers would spill).
+    # PREFETCH off (one wide block): rows loaded where used (a wide row's next-row registers would spill).
     if PREFETCH:
         first = tl.where(n_mine > 0, mask, False)
         dy_next = tl.load(dy_ptr + row_start * dy_row_stride + cols, mask=first, other=0.0)
@@ -327,6 +329,14 @@ def _norm_bwd_kernel(
         else:
             c1 = tl.sum(hat * g, axis=0) / n_cols
             c2 = tl.sum(g, axis=0) / n_cols
+        if not PREFETCH:
+            # One wide block: the row read again (from L1/L2) for dh and the dw share, so no fp32 copy
+            # of it stays live across the reductions (it spilled). The barrier keeps the compiler from
+            # merging the two reads.
+            tl.debug_barrier()
+            dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+            h_raw = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0)
+            dy, hat, g = _norm_bwd_block(dy_raw, h_raw, w, mask, mean, rstd, IS_RMS, HAS_WEIGHT)
         dh = g - hat * c1
         if not IS_RMS:
             dh -= c2
@@ -389,7 +399,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
     dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
-    one_wide = bwd_one_wide_block(n, is_rms)
+    one_wide = bwd_one_wide_block(n)
     block, num_warps = row_settings(n if one_wide else bwd_max_block(n))
     col_blocks = max(1, cdiv(n, block))  # past one block a row, each program owns one column block of its rows
     programs = max(1, min(m, cdiv(num_programs_for(h.device) * bwd_programs_per_sm(block), col_blocks)))
