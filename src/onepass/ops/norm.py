@@ -108,7 +108,7 @@ def bwd_one_wide_block(n_cols: int) -> bool:
     one read from memory, where column blocks need the sums' pass over memory first
     (bwd_max_block). RMSNorm with or without the residual stream's gradient, and LayerNorm
     (benchmarks/tune_rowwise.py one-wide-block, results/h100-80gb-hbm3/tune_norm_one_wide_block.log,
-    run 3)."""
+    run 4)."""
     return WIDE_ROW < n_cols <= MAX_ROW_BLOCK
 
 
