@@ -60,7 +60,7 @@ def sweep_norm_bwd(copy):
         _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0, True, h.dtype)
         block = original_settings(n)[0]
         for warps, per_sm in itertools.product((2, 4, 8) if n <= 2048 else (4, 8), (2, 3, 4, 6, 8)):
-            norm.row_settings = lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_)
+            norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_)
             norm.bwd_programs_per_sm = lambda block, p_=per_sm: p_
             step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, None, None, rstd, 0.0, 0, True, h.dtype,
                                      True, False)
@@ -152,7 +152,7 @@ def sweep_layer_norm_bwd_wide(copy):
 def sweep_layer_norm_fwd_wide(copy):
     """LayerNorm forward of wide rows (the full sweep's weakest cells: 0.62-0.77x torch.compile at
     12288 and 16384) by the block held at once and warps, timed by CUDA-graph replay."""
-    saved = norm.row_settings
+    saved = norm.fwd_settings
     for rows, n in itertools.product((4096, 16384), (8192, 12288, 16384)):
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -161,12 +161,12 @@ def sweep_layer_norm_fwd_wide(copy):
         for block, warps in itertools.product((4096, 8192, 16384), (8, 16, 32)):
             if block > 2 * n:
                 continue
-            norm.row_settings = lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_)
+            norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_)
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
             print(f"norm layer fwd {rows}x{n} block={block:<5} warps={warps:<2} {us:8.1f} us "
                   f"{2 * x.numel() * 2 / us / 1e3 / copy:6.1%} (rel. diff {err:.1e})", flush=True)
-        norm.row_settings = saved
+        norm.fwd_settings = saved
         compiled = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (n,), w, b, 1e-5))
         compiled(x)
         us = do_bench_cudagraph(lambda: compiled(x), rep=100, return_mode="median") * 1e3

@@ -181,13 +181,9 @@ def _norm_fwd_kernel(
             y += b.to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # Rows longer than one block: pass 1 takes the statistics (and writes h), pass 2 normalises,
-        # re-reading the row from L2. LayerNorm's mean and variance come from pass 1 alone by Welford's
-        # update in each lane (its count, mean and squared deviations), the lanes combined at the end:
-        # one re-read fewer than a second pass for the squares about the mean.
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # RMSNorm: the lane's sum of squares; LayerNorm: its mean
-        m2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        count = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Rows longer than one block: pass 1 sums (and writes h), pass 2 sums squares
+        # about the mean (LayerNorm), pass 3 normalises. The re-reads hit L2.
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             m = c < n_cols
@@ -195,20 +191,23 @@ def _norm_fwd_kernel(
                         HAS_RESIDUAL, HAS_DROPOUT)
             if HAS_RESIDUAL:
                 h = _store_h(h, h_ptr, row, h_row_stride, c, m)
-            if IS_RMS:
-                acc += h * h
-            else:
-                count += m.to(tl.float32)
-                delta = tl.where(m, h - acc, 0.0)
-                acc += delta / tl.maximum(count, 1.0)
-                m2 += delta * (h - acc)
+            acc += h if not IS_RMS else h * h
         if IS_RMS:
             mean = 0.0
             var = tl.sum(acc, axis=0) / n_cols
         else:
-            mean = tl.sum(count * acc, axis=0) / n_cols
-            spread = acc - mean
-            var = tl.sum(m2 + count * spread * spread, axis=0) / n_cols
+            mean = tl.sum(acc, axis=0) / n_cols
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                m = c < n_cols
+                if HAS_RESIDUAL:
+                    h = tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0).to(tl.float32)
+                else:
+                    h = tl.load(x_ptr + row * x_row_stride + c, mask=m, other=0.0).to(tl.float32)
+                d = tl.where(m, h - mean, 0.0)
+                acc += d * d
+            var = tl.sum(acc, axis=0) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
