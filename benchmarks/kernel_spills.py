@@ -42,9 +42,9 @@ def main(names):
     rows = []
     for (kernel, *_), compiled in dispatch._compiled_kernels.items():
         compiled._init_handles()
-        names = kernel.arg_names
-        constants = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()
-                     if isinstance(v, (bool, int)) and (not isinstance(k, tuple) or names[k[0]].isupper())}
+        arg_names = kernel.arg_names
+        constants = {arg_names[k[0]] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()
+                     if isinstance(v, (bool, int)) and (not isinstance(k, tuple) or arg_names[k[0]].isupper())}
         rows.append((compiled.n_spills, compiled.n_regs, compiled.metadata.num_warps, kernel.fn.__name__,
                      str(constants)[:150]))
     print(f"{torch.cuda.get_device_name()}: {len(rows)} compiled kernels; spills (bytes), registers, warps")

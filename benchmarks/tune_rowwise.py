@@ -60,7 +60,7 @@ def sweep_norm_bwd(copy):
         _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0, True, h.dtype)
         block = original_settings(n)[0]
         for warps, per_sm in itertools.product((2, 4, 8) if n <= 2048 else (4, 8), (2, 3, 4, 6, 8)):
-            norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_)
+            norm.row_settings = lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_)
             norm.bwd_programs_per_sm = lambda block, p_=per_sm: p_
             step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, None, None, rstd, 0.0, 0, True, h.dtype,
                                      True, False)
