@@ -22,7 +22,11 @@ For each model (built as ``onepass bench generate`` builds it: random bf16 weigh
   once, at the copy bandwidth measured in this run), and per category its own floor (linear weights,
   KV cache, norm weights; nothing for the rest) and the share of the step it costs above it;
 - the fixed cost of a launch in a graph: as many tiny kernels as the step has, replayed as
-  one CUDA graph.
+  one CUDA graph; and as many tiny Triton kernels launched as programmatic dependents (PDL), as
+  onepass's decode kernels are (``ONEPASS_PDL=0`` turns that off, for a run to compare).
+
+With PDL a kernel's programs start while the kernel before still runs and wait for it, so the
+profiler's kernel times include that wait: their sum can pass the wall time (a negative gap).
 
 Kernels of a CUDA graph replay are traced by CUPTI when the profiler has run once before
 the capture (done first). Where the trace shows fewer kernels a step than layers anyway, the
@@ -39,6 +43,8 @@ import re
 from collections import defaultdict
 
 import torch
+import triton
+import triton.language as tl
 from torch.autograd import DeviceType
 from triton.testing import do_bench
 
@@ -46,6 +52,8 @@ import onepass
 from onepass.bench.generate import step_bytes, step_floor_ms
 from onepass.bench.harness import environment, measure_ceilings
 from onepass.models.configs import CONFIGS, build
+from onepass.ops import dispatch
+from onepass.ops.dispatch import wait_for_previous_kernel
 
 CATEGORIES = [  # first match wins (kernel names lower-cased)
     ("linear", r"decode_linear|gemv|gemm|nvjet|cutlass|xmma|splitk|cublas"),
@@ -85,6 +93,25 @@ def launch_floor_us(kernels: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(kernels):
             x.add_(1)
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+@triton.jit
+def _increment_kernel(x_ptr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def dependent_launch_floor_us(kernels: int) -> float:
+    """``launch_floor_us`` for one-element Triton kernels launched as programmatic dependents, as
+    onepass's decode kernels are (``dispatch.dependent_launch``): what PDL leaves of a launch's cost."""
+    x = torch.zeros(1, device="cuda")
+    pdl = dispatch.dependent_launch(x)
+    dispatch.launch(_increment_kernel, (1,), x, PDL=pdl)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            dispatch.launch(_increment_kernel, (1,), x, PDL=pdl)
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
@@ -201,6 +228,7 @@ def breakdown(model, name: str, batch: int, cache: int, steps: int, copy_gbps: f
     result = {"model": name, "batch": batch, "cache": cache, "steps": steps, "profiled": mode,
               "wall_ms": wall_ms, "kernel_us": kernel_us, "gap_us": gap_us, "gpu_span_us": gpu_span_us,
               "gpu_ops_per_step": per_step, "launch_floor_us": launch_floor_us(round(per_step)),
+              "dependent_launch_floor_us": dependent_launch_floor_us(round(per_step)),
               "floor_ms": floor_ms, "floor_frac": floor_ms / wall_ms, "categories": cats, "linear": linear,
               "kernels": dict(sorted(kernels.items(), key=lambda item: -item[1]["us"])), "one_layer": layer_rows}
     log(report(result, copy_gbps))
@@ -218,7 +246,8 @@ def report(r: dict, copy_gbps: float) -> str:
              f"{r['gap_us']:.1f} us = {r['gap_us'] / max(r['gpu_ops_per_step'], 1):.2f} us per op"
              + (f"; profiled GPU span {r['gpu_span_us']:.1f} us" if r["gpu_span_us"] is not None else ""),
              f"as many one-element kernels in one graph: {r['launch_floor_us']:.1f} us "
-             f"({100 * r['launch_floor_us'] / step_us:.0f}% of the step)", "",
+             f"({100 * r['launch_floor_us'] / step_us:.0f}% of the step); as many Triton ones launched as "
+             f"programmatic dependents: {r['dependent_launch_floor_us']:.1f} us", "",
              f"{'category':<16}{'us/step':>10}{'own floor':>11}{'above floor, % of step':>24}"]
     for c, v in r["categories"].items():
         lines.append(f"{c:<16}{v['us']:10.1f}{v['floor_us']:11.1f}{100 * v['above_floor_frac_of_step']:23.1f}%")

@@ -101,3 +101,55 @@ def test_compiled_graph_launches_the_kernels_itself():
     for graph in graphs:
         assert "triton_kernel_wrapper" in graph, graph
         assert "onepass" not in graph, graph
+
+
+def test_no_dependent_launch_off_a_gpu_or_while_traced():
+    """The interpreter and CPU tensors never take programmatic dependent launch (the kernels' PDL
+    step is inline PTX); nor does a traced call, whose kernel Inductor launches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from onepass.ops.dispatch import dependent_launch
+
+    assert not dependent_launch(torch.ones(2))
+    with FakeTensorMode():
+        assert not dependent_launch(torch.ones(2))
+
+
+@pytest.mark.gpu
+def test_dependent_launches_in_a_graph_give_the_results_of_plain_launches(monkeypatch):
+    """A chain of decode-step kernels, each reading the one before's output, replayed as a CUDA
+    graph: bit for bit the results of the same chain launched without PDL (a kernel that read
+    before its wait would see stale values), and each launched as a dependent on sm_90."""
+    from onepass import ops
+    from onepass.ops import dispatch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    torch.manual_seed(0)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) / 45 for _ in range(3)]
+    norm_w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain():
+        h = x
+        for _ in range(8):
+            (y,) = ops.decode_linear(ops.rms_norm(h, norm_w), [w[0]])
+            h = ops.decode_gated_linear(y, w[1], w[2])
+        return h
+
+    def replayed():
+        with torch.no_grad():
+            chain()  # compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain()
+            graph.replay()
+            torch.cuda.synchronize()
+            return out.clone()
+
+    with_pdl = replayed()
+    launched = {c.metadata.launch_pdl for (k, *_), c in dispatch._compiled_kernels.items()
+                if k.fn.__name__ in ("_decode_linear_kernel", "_norm_fwd_kernel")}
+    assert launched == {True}
+    monkeypatch.setattr(dispatch, "_PDL_OFF", True)
+    torch.testing.assert_close(with_pdl, replayed(), rtol=0, atol=0)

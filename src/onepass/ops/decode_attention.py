@@ -50,6 +50,7 @@ from onepass.ops.dispatch import (
     check_same_device,
     check_scale,
     check_softcap,
+    dependent_launch,
     interpreting,
     is_int,
     launch,
@@ -59,6 +60,7 @@ from onepass.ops.dispatch import (
     triton_op,
     unit_stride,
     use_triton,
+    wait_for_previous_kernel,
 )
 
 # (BLOCK_N, num_warps, num_stages) per padded head dim (up to 64: the 64 row): untimed starting points that
@@ -82,8 +84,9 @@ def _decode_split_kernel(
     q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
     o_stride_b, o_stride_h, o_stride_t, n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap, window,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)  # a 1-D grid, splits fastest: batch * kv heads is not bound by grid axis 1's 65535
     split = pid % n_splits
     b = pid // n_splits // n_kv_heads
@@ -129,8 +132,9 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     o_part_ptr, lse_part_ptr, o_ptr, n_heads, n_tokens, n_splits, o_stride_b, o_stride_h, o_stride_t,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     part = tl.program_id(0).to(tl.int64)
     b = part // (n_heads * n_tokens)
     h = part // n_tokens % n_heads
@@ -183,6 +187,7 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     block_d = block_d_for(head_dim)
     rows = batch * heads * n_tokens
     direct = splits == 1
+    pdl = dependent_launch(qv)
     o_part = ov if direct else torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
     lse_part = ov if direct else torch.empty((rows, splits), dtype=torch.float32, device=q.device)
     launch(_decode_split_kernel, (splits * batch * kv_heads,),
@@ -192,13 +197,13 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
         WINDOW=bool(window), SOFTCAP=bool(softcap), HEAD_DIM=head_dim,
         BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
         BLOCK_N=block_n, BLOCK_D=block_d, LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
-        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, DIRECT=direct,
+        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, DIRECT=direct, PDL=pdl,
     )
     if direct:
         return out
     launch(_decode_merge_kernel, (rows,),
         o_part, lse_part, ov, heads, n_tokens, splits, *ov.stride()[:3],
-        HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=MERGE_WARPS,
+        HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, PDL=pdl, num_warps=MERGE_WARPS,
     )
     return out
 

@@ -47,6 +47,7 @@ from onepass.ops.dispatch import (
     check_float,
     check_linear,
     check_same_device,
+    dependent_launch,
     interpreting,
     launch,
     next_power_of_2,
@@ -54,6 +55,7 @@ from onepass.ops.dispatch import (
     route,
     triton_op,
     use_triton_dot,
+    wait_for_previous_kernel,
 )
 
 MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS, which won at 64 (CHANGELOG.md)
@@ -83,8 +85,9 @@ def _decode_linear_kernel(
     n_rows, n_in, n0, n1, n2, x_row_stride, r_row_stride, tiles0, tiles1,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     if GATED:  # every program: the same features of the gate (w0) and up (w1) weights
         w_ptr, b_ptr, y_ptr, n_out, tile = w0_ptr, b0_ptr, y0_ptr, n0, pid
@@ -166,7 +169,8 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
            x2, *ws, *bs, *ys, r2, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1],
            GATED=gated, ACT=max(act, 0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
            PRECISION=precision_for(x.dtype),
-           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=dependent_launch(x2), num_warps=num_warps,
+           num_stages=num_stages)
     return outs
 
 

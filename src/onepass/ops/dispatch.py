@@ -23,9 +23,12 @@ import os
 from typing import Iterator
 
 import torch
+import triton
+import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 from triton import knobs
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import driver
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -241,6 +244,38 @@ def row_settings(n_cols: int, values_per_thread: int = 16) -> tuple[int, int]:
     return block, num_warps
 
 
+# ---------------------------------------------------- programmatic dependent launch
+
+# ONEPASS_PDL=0 turns it off for the process (read once, at import).
+_PDL_OFF = os.environ.get("ONEPASS_PDL") == "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return _properties(device_index).major >= 9
+
+
+def dependent_launch(t: torch.Tensor) -> bool:
+    """Whether the kernels that read ``t`` launch as programmatic dependents (PDL, sm_90 and newer):
+    such a kernel is let onto the GPU while the one before it in the stream still runs, and waits in
+    ``wait_for_previous_kernel`` for that one's writes, so the gap between two kernels (a microsecond
+    or two, most of a small kernel's time in a decode step) overlaps the earlier kernel's tail. Off
+    in the interpreter, while anything traces the call (Inductor launches the kernel itself) and with
+    ONEPASS_PDL=0. ``launch`` reads the kernel's ``PDL`` argument."""
+    return (t.is_cuda and not _PDL_OFF and not interpreting() and not tracing(t)
+            and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """A PDL kernel's first step, before it reads or writes global memory: wait until the kernel
+    before it has finished and its writes are visible, then let the kernel after it launch (its
+    programs wait here in turn; they take only the SM room this grid's started programs leave)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 # ---------------------------------------------------------------------- lean launch
 
 # (kernel, device, specialization, options) -> the compiled kernel Triton returned for it
@@ -269,7 +304,11 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     ``triton_kernel_wrapper`` node in the traced graph, which Inductor launches itself. Under
     Triton's interpreter a traced launch does nothing: its kernels are Python functions that no
     graph can hold, which is why ``triton_op`` keeps the op opaque there.
+
+    A kernel passed ``PDL=True`` (``dependent_launch``) launches as a programmatic dependent.
     """
+    if meta.get("PDL"):
+        meta["launch_pdl"] = True
     if tracing(args[0]):
         if not interpreting():
             wrap_triton(kernel)[grid](*args, **meta)

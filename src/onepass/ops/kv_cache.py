@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops.dispatch import cdiv, launch, next_power_of_2
+from onepass.ops.dispatch import cdiv, dependent_launch, launch, next_power_of_2, wait_for_previous_kernel
 
 BLOCK_VALUES = 4096  # values of k (and of v) copied a loop step
 
@@ -60,8 +60,9 @@ def _append_kv_kernel(
     n_rows, n_heads, n_new, head_dim, cache_len, n_q_rows, n_q_heads,
     k_sb, k_sh, k_st, v_sb, v_sh, v_st, kc_sb, kc_sh, kc_st, vc_sb, vc_sh, vc_st,
     q_sb, q_sh, q_st, qo_sb, qo_sh, qo_st, cos_sb, cos_st,
-    ROPE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < head_dim)[None, :]
     pid = tl.program_id(0)
@@ -112,5 +113,5 @@ def append_to_cache(k_cache: Tensor, v_cache: Tensor, length: Tensor, k: Tensor,
            n_q_rows, q.shape[1] if rope else 1,
            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
            *(q.stride()[:3] if rope else (0, 0, 0)), *(q_out.stride()[:3] if rope else (0, 0, 0)), *cos_strides,
-           ROPE=rope, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
+           ROPE=rope, BLOCK_ROWS=block_rows, BLOCK_D=block_d, PDL=dependent_launch(k), num_warps=4)
     return q_out

@@ -54,6 +54,7 @@ from onepass.ops.dispatch import (
     check_same_device,
     check_same_shape,
     check_vector,
+    dependent_launch,
     eager_autograd,
     first_order_only,
     is_number,
@@ -64,6 +65,7 @@ from onepass.ops.dispatch import (
     row_settings,
     triton_op,
     use_triton,
+    wait_for_previous_kernel,
 )
 from onepass.ops.partials import sum_partials
 
@@ -152,7 +154,9 @@ def _norm_fwd_kernel(
     n_cols, eps, dropout_p, seed,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     if ONE_BLOCK:
@@ -374,7 +378,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
         n, eps, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block,
-        num_warps=num_warps,
+        PDL=dependent_launch(x2), num_warps=num_warps,
     )
     return y, h, mean, rstd
 
