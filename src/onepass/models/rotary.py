@@ -71,7 +71,8 @@ def rotary_attention_forward(rope: Callable, parts: AttentionParts) -> Callable:
     q/k/v projections run as one node whose backward adds their input gradients inside its
     matmuls (``projections.linears``). Attention itself goes through transformers' registry,
     so ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel, with the
-    module's scaling, sliding window and logit softcap. In a decode step of ``onepass.Decoder``
+    module's scaling, sliding window and logit softcap; o_proj runs as ``projections.linears`` too
+    (a decode step's few rows: ``decode_linear``, launched as a programmatic dependent). In a decode step of ``onepass.Decoder``
     k and v go to the static cache in one launch that also applies RoPE to q and k
     (``kv_cache.append_to_cache``), so rope runs no launch of its own."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -110,7 +111,8 @@ def rotary_attention_forward(rope: Callable, parts: AttentionParts) -> Callable:
             sliding_window=sliding_window_of(self),
             **({"softcap": softcap} if softcap is not None else {}), **kwargs,
         )
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+        (out,) = projections.linears(out.reshape(*input_shape, -1).contiguous(), (self.o_proj,))
+        return out, weights
 
     return forward
 
