@@ -72,9 +72,9 @@ def rotary_attention_forward(rope: Callable, parts: AttentionParts) -> Callable:
     matmuls (``projections.linears``). Attention itself goes through transformers' registry,
     so ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel, with the
     module's scaling, sliding window and logit softcap; o_proj runs as ``projections.linears`` too
-    (a decode step's few rows: ``decode_linear``, launched as a programmatic dependent). In a decode step of ``onepass.Decoder``
-    k and v go to the static cache in one launch that also applies RoPE to q and k
-    (``kv_cache.append_to_cache``), so rope runs no launch of its own."""
+    (a decode step's few rows: ``decode_linear``, launched as a programmatic dependent). In a
+    decode step of ``onepass.Decoder`` k and v go to the static cache in one launch that also
+    applies RoPE to q and k (``kv_cache.append_to_cache``), so rope runs no launch of its own."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from onepass.models.attention import eager_attention

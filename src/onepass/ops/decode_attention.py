@@ -54,6 +54,7 @@ from onepass.ops.dispatch import (
     interpreting,
     is_int,
     launch,
+    launch_next_kernel,
     next_power_of_2,
     num_programs_for,
     route,
@@ -87,6 +88,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    launch_next_kernel(PDL)
     pid = tl.program_id(0)  # a 1-D grid, splits fastest: batch * kv heads is not bound by grid axis 1's 65535
     split = pid % n_splits
     b = pid // n_splits // n_kv_heads
@@ -135,6 +137,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    launch_next_kernel(PDL)
     part = tl.program_id(0).to(tl.int64)
     b = part // (n_heads * n_tokens)
     h = part // n_tokens % n_heads

@@ -50,6 +50,7 @@ from onepass.ops.dispatch import (
     dependent_launch,
     interpreting,
     launch,
+    launch_next_kernel,
     next_power_of_2,
     num_programs_for,
     route,
@@ -113,6 +114,7 @@ def _decode_linear_kernel(
         if GATED:
             u = tl.load(w1_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+    launch_next_kernel(PDL)  # not before the loop: see launch_next_kernel
     if HAS_BIAS:
         acc += tl.load(b_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:

@@ -269,10 +269,19 @@ def dependent_launch(t: torch.Tensor) -> bool:
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
     """A PDL kernel's first step, before it reads or writes global memory: wait until the kernel
-    before it has finished and its writes are visible, then let the kernel after it launch (its
-    programs wait here in turn; they take only the SM room this grid's started programs leave)."""
+    before it has finished and its writes are visible."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def launch_next_kernel(PDL: tl.constexpr):
+    """Let the kernel after this one launch once every program of this one has called it (its
+    programs then wait in ``wait_for_previous_kernel``, holding only the SM room this grid leaves).
+    Called first by a kernel of few programs; after its main loop by one that needs every SM: the
+    next kernel's programs, let in early, would sit on the SMs that had room and leave others idle
+    when a wide kernel follows."""
+    if PDL:
         gdc_launch_dependents()
 
 

@@ -27,7 +27,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops.dispatch import cdiv, dependent_launch, launch, next_power_of_2, wait_for_previous_kernel
+from onepass.ops.dispatch import (
+    cdiv,
+    dependent_launch,
+    launch,
+    launch_next_kernel,
+    next_power_of_2,
+    wait_for_previous_kernel,
+)
 
 BLOCK_VALUES = 4096  # values of k (and of v) copied a loop step
 
@@ -63,6 +70,7 @@ def _append_kv_kernel(
     ROPE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    launch_next_kernel(PDL)
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < head_dim)[None, :]
     pid = tl.program_id(0)

@@ -59,6 +59,7 @@ from onepass.ops.dispatch import (
     first_order_only,
     is_number,
     launch,
+    launch_next_kernel,
     num_programs_for,
     registered_outputs,
     route,
@@ -157,6 +158,7 @@ def _norm_fwd_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    launch_next_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     if ONE_BLOCK:
