@@ -2,6 +2,7 @@
 
     python benchmarks/decode_breakdown.py                       # llama-1b, qwen2-1.5b, llama-8b; batch 1, 8
     python benchmarks/decode_breakdown.py --model llama-8b --batch 1 --cache 512 --out breakdown.json
+    python benchmarks/decode_breakdown.py --pdl-rounds 2              # the step with PDL off and on, instead
 
 For each model (built as ``onepass bench generate`` builds it: random bf16 weights, then
 ``onepass.optimize``) and batch size, a ``onepass.Decoder`` is warmed up, then:
@@ -28,6 +29,12 @@ For each model (built as ``onepass bench generate`` builds it: random bf16 weigh
 With PDL a kernel's programs start while the kernel before still runs and wait for it, so the
 profiler's kernel times include that wait: their sum can pass the wall time (a negative gap).
 
+``--pdl-rounds N`` times each model and batch instead: N rounds of (PDL off, PDL on), each a
+fresh ``onepass.Decoder`` whose step graph is captured with the setting (``dispatch._PDL_OFF``,
+which ``ONEPASS_PDL=0`` sets), a step being N replays of the captured step from the prompt's
+end (the Decoder's position reset before each run), by ``do_bench``; prints each round's
+minimum, then each setting's best minimum and median against the floor.
+
 Kernels of a CUDA graph replay are traced by CUPTI when the profiler has run once before
 the capture (done first). Where the trace shows fewer kernels a step than layers anyway, the
 step is profiled eagerly (``Decoder(cuda_graph=False)``, same kernels), which the output says.
@@ -37,9 +44,11 @@ Text to stdout, everything to ``--out`` (JSON). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import re
+import statistics
 from collections import defaultdict
 
 import torch
@@ -235,6 +244,47 @@ def breakdown(model, name: str, batch: int, cache: int, steps: int, copy_gbps: f
     return result
 
 
+def replayed_step_us(model, batch: int, cache: int, steps: int, pdl: bool) -> tuple[float, float]:
+    """(min, median) us of a decode step: ``steps`` replays of the Decoder's captured step from
+    position ``cache``, timed by ``do_bench``."""
+    dispatch._PDL_OFF = not pdl
+    config = model.config.get_text_config()
+    ids = torch.randint(0, config.vocab_size, (batch, cache), device=model.device)
+    decoder = onepass.Decoder(model, batch_size=batch, max_len=cache + steps + 8, eos_token_id=[])
+    decoder.generate(ids, 8)  # the prompt in the cache, eager warm-up steps, then the capture
+    graph = decoder._graphs[False]
+
+    def steps_from_the_prompt():
+        decoder._index.fill_(cache)
+        decoder._position.fill_(cache)
+        for _ in range(steps):
+            graph.replay()
+
+    times = do_bench(steps_from_the_prompt, warmup=2, rep=800, return_mode="all")
+    return min(times) / steps * 1e3, statistics.median(times) / steps * 1e3
+
+
+def pdl_comparison(model, name: str, batch: int, cache: int, steps: int, rounds: int, copy_gbps: float,
+                   log=print) -> dict:
+    """``rounds`` rounds of (PDL off, PDL on), each a fresh Decoder captured with the setting."""
+    floor_us = step_floor_ms(model, batch, cache, steps, copy_gbps) * 1e3
+    times = {False: [], True: []}
+    for _ in range(rounds):
+        for pdl in (False, True):
+            times[pdl].append(replayed_step_us(model, batch, cache, steps, pdl))
+            gc.collect()
+            torch.cuda.empty_cache()
+    dispatch._PDL_OFF = False
+    by_round = "  ".join(f"{off[0]:.0f}/{on[0]:.0f}" for off, on in zip(times[False], times[True]))
+    best = {pdl: min(t[0] for t in times[pdl]) for pdl in times}
+    median = {pdl: statistics.median(t[1] for t in times[pdl]) for pdl in times}
+    log(f"{name} batch {batch}: step us (min), PDL off/on by round: {by_round}; best off {best[False]:.1f} "
+        f"({100 * floor_us / best[False]:.0f}% of floor), on {best[True]:.1f} ({100 * floor_us / best[True]:.0f}%); "
+        f"median off {median[False]:.1f}, on {median[True]:.1f}; floor {floor_us:.1f}")
+    return {"model": name, "batch": batch, "cache": cache, "steps": steps, "floor_us": floor_us,
+            "pdl_off_us": times[False], "pdl_on_us": times[True]}
+
+
 def report(r: dict, copy_gbps: float) -> str:
     step_us = r["wall_ms"] * 1e3
     lines = [f"== {r['model']}, batch {r['batch']}, cache {r['cache']} + {r['steps']} steps; profiled: {r['profiled']}",
@@ -277,6 +327,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, action="append", help="a batch size (repeatable; default: 1 and 8)")
     parser.add_argument("--cache", type=int, default=512, help="prompt tokens in the cache before the steps")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed and profiled")
+    parser.add_argument("--pdl-rounds", type=int, default=0,
+                        help="instead of the breakdown: this many rounds of the step with PDL off and on")
     parser.add_argument("--out", help="JSON file for the results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -291,8 +343,10 @@ def main(argv=None) -> dict:
         torch.manual_seed(0)
         model = onepass.optimize(build(name, device="cuda"))
         for batch in args.batch or [1, 8]:
-            results.append(breakdown(model, name, batch, args.cache, args.steps, ceilings.copy_gbps,
-                                     log=lambda text: print(text, flush=True)))
+            log = functools.partial(print, flush=True)
+            results.append(pdl_comparison(model, name, batch, args.cache, args.steps, args.pdl_rounds,
+                                          ceilings.copy_gbps, log) if args.pdl_rounds
+                           else breakdown(model, name, batch, args.cache, args.steps, ceilings.copy_gbps, log))
             gc.collect()
             torch.cuda.empty_cache()
         del model
