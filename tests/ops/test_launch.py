@@ -103,6 +103,64 @@ def test_compiled_graph_launches_the_kernels_itself():
         assert "onepass" not in graph, graph
 
 
+# Compiles each kernel that launches as a programmatic dependent for sm_90 (no GPU needed) and
+# prints, per kernel: whether its PTX waits for the kernel before ahead of its first global memory
+# access, and whether it lets the next kernel launch.
+_PDL_PTX = """
+import re
+import sys
+
+import importlib
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TYPES = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+         "seqlens_ptr": "*i32", "length_ptr": "*i64", "scale": "fp32", "softcap": "fp32", "eps": "fp32",
+         "dropout_p": "fp32"}
+KERNELS = [  # module, kernel, constexprs
+    ("decode_linear", "_decode_linear_kernel", dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_RESIDUAL=False,
+     PRECISION="ieee", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
+    ("decode_linear", "_decode_linear_kernel", dict(GATED=False, ACT=0, HAS_BIAS=False, HAS_RESIDUAL=True,
+     PRECISION="ieee", BLOCK_M=16, BLOCK_N=16, BLOCK_K=512)),
+    ("decode_attention", "_decode_split_kernel", dict(WINDOW=True, SOFTCAP=False, HEAD_DIM=64, BLOCK_M=16,
+     BLOCK_N=64, BLOCK_D=64, LONG=False, PRECISION="ieee", DIRECT=False)),
+    ("decode_attention", "_decode_merge_kernel", dict(HEAD_DIM=64, BLOCK_S=4, BLOCK_D=64)),
+    ("kv_cache", "_append_kv_kernel", dict(ROPE=True, BLOCK_ROWS=16, BLOCK_D=64)),
+    ("norm", "_norm_fwd_kernel", dict(IS_RMS=True, HAS_RESIDUAL=True, HAS_DROPOUT=False, HAS_WEIGHT=True,
+     HAS_BIAS=False, BLOCK_N=2048, ONE_BLOCK=True)),
+]
+for module, name, constexprs in KERNELS:
+    importlib.import_module("onepass.ops." + module)
+    fn = getattr(sys.modules["onepass.ops." + module], name)  # (onepass.ops.decode_linear is the function)
+    constexprs = {**constexprs, "PDL": True}
+    signature = {a: "constexpr" if a in constexprs else TYPES.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                 for a in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    memory = [m.start() for m in re.finditer(r"(ld|st|atom|red)\\.global|cp\\.async", ptx)]
+    print(name, 0 <= wait < min(memory), "griddepcontrol.launch_dependents" in ptx)
+"""
+
+
+def test_dependent_kernels_wait_before_touching_memory():
+    """Each kernel launched as a programmatic dependent waits for the kernel before it ahead of
+    every global load, store or atomic (one before the wait could read a value that kernel has not
+    written yet, or overwrite one it still reads) and lets the next kernel launch. Read off the
+    kernels' PTX for sm_90, compiled in a child process without Triton's interpreter (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split("\n")[:-1]
+    assert len(lines) == 6 and all(line.endswith(" True True") for line in lines), run.stdout
+
+
 def test_no_dependent_launch_off_a_gpu_or_while_traced():
     """The interpreter and CPU tensors never take programmatic dependent launch (the kernels' PDL
     step is inline PTX); nor does a traced call, whose kernel Inductor launches."""
