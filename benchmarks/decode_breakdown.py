@@ -268,13 +268,14 @@ def pdl_comparison(model, name: str, batch: int, cache: int, steps: int, rounds:
                    log=print) -> dict:
     """``rounds`` rounds of (PDL off, PDL on), each a fresh Decoder captured with the setting."""
     floor_us = step_floor_ms(model, batch, cache, steps, copy_gbps) * 1e3
+    pdl_off = dispatch._PDL_OFF  # the process's setting, restored after
     times = {False: [], True: []}
     for _ in range(rounds):
         for pdl in (False, True):
             times[pdl].append(replayed_step_us(model, batch, cache, steps, pdl))
             gc.collect()
             torch.cuda.empty_cache()
-    dispatch._PDL_OFF = False
+    dispatch._PDL_OFF = pdl_off
     by_round = "  ".join(f"{off[0]:.0f}/{on[0]:.0f}" for off, on in zip(times[False], times[True]))
     best = {pdl: min(t[0] for t in times[pdl]) for pdl in times}
     median = {pdl: statistics.median(t[1] for t in times[pdl]) for pdl in times}
@@ -339,11 +340,11 @@ def main(argv=None) -> dict:
     env = environment(ceilings)
     print(f"{env['gpu']}: copy {ceilings.copy_gbps:.0f} GB/s; torch {env['torch']}, triton {env['triton']}", flush=True)
     results = []
+    log = functools.partial(print, flush=True)
     for name in args.model or ["llama-1b", "qwen2-1.5b", "llama-8b"]:
         torch.manual_seed(0)
         model = onepass.optimize(build(name, device="cuda"))
         for batch in args.batch or [1, 8]:
-            log = functools.partial(print, flush=True)
             results.append(pdl_comparison(model, name, batch, args.cache, args.steps, args.pdl_rounds,
                                           ceilings.copy_gbps, log) if args.pdl_rounds
                            else breakdown(model, name, batch, args.cache, args.steps, ceilings.copy_gbps, log))

@@ -250,11 +250,6 @@ def row_settings(n_cols: int, values_per_thread: int = 16) -> tuple[int, int]:
 _PDL_OFF = os.environ.get("ONEPASS_PDL") == "0"
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(device_index: int) -> bool:
-    return _properties(device_index).major >= 9
-
-
 def dependent_launch(t: torch.Tensor) -> bool:
     """Whether the kernels that read ``t`` launch as programmatic dependents (PDL, sm_90 and newer):
     such a kernel is let onto the GPU while the one before it in the stream still runs, and waits in
@@ -263,7 +258,7 @@ def dependent_launch(t: torch.Tensor) -> bool:
     in the interpreter, while anything traces the call (Inductor launches the kernel itself) and with
     ONEPASS_PDL=0. ``launch`` reads the kernel's ``PDL`` argument."""
     return (t.is_cuda and not _PDL_OFF and not interpreting() and not tracing(t)
-            and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+            and _cuda_properties(t.device).major >= 9)
 
 
 @triton.jit
