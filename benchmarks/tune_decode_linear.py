@@ -5,7 +5,7 @@
 Each layer (q/k/v, o_proj, gate/up with SwiGLU, down_proj with the residual) of Llama-3.2-1B,
 Qwen2-1.5B and Llama-3.1-8B, one row, timed as a decode step runs it: a CUDA graph over enough
 copies of the weights to leave L2 (as the suite decode_linear does). Per setting (BLOCK_N, BLOCK_K,
-num_warps, num_stages): microseconds a layer and % of the copy bandwidth measured in the run; the
+num_warps, num_stages, SPLIT_K): microseconds a layer and % of the copy bandwidth measured in the run; the
 rule's own choice is marked, cuBLAS (F.linear) beside it. ops/decode_linear.py's _config cites it.
 """
 
@@ -29,7 +29,10 @@ MODELS = {  # name: (hidden, intermediate, q features, kv features)
     "Qwen2-1.5B": (1536, 8960, 1536, 256),
     "Llama-3.1-8B": (4096, 14336, 4096, 1024),
 }
-SETTINGS = [(n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (128, 256, 512), (3, 5))]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): 4 stages, or as many as fit
+SETTINGS = [(n, k, 4, min(4, dl.SHARED_MEMORY // ((16 + n) * k * 2)), split)
+            for split, n, k in itertools.product((1, 2, 3, 4, 6), (16, 32, 64), (128, 256, 512))]
+GATED_SETTINGS = [s for s in SETTINGS if s[0] <= 32 and s[1] <= 256 and s[4] <= 3]
 
 
 def layer_us(fn, sets) -> float:
@@ -38,7 +41,7 @@ def layer_us(fn, sets) -> float:
             for ws in sets:
                 fn(*ws)
 
-    return do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3 / len(sets)
+    return do_bench_cudagraph(step, rep=30, return_mode="median") * 1e3 / len(sets)
 
 
 def main():
@@ -67,12 +70,12 @@ def main():
 
                 def cublas(*ws):
                     return [F.linear(x, w) + r if residual else F.linear(x, w) for w in ws]
-            chosen = rule(x, 16, sum(features), gated)
+            chosen = rule(x, 16, n_in, sum(features), gated)
             print(f"\n{model} {name}: 1 x {n_in} -> {'+'.join(map(str, features))} ({nbytes / 2**20:.1f} MiB)")
             us = layer_us(cublas, sets)
             print(f"  cublas{'':<22} {us:7.2f} us {nbytes / us / 1e3 / copy_gbps:6.1%}")
             results = []
-            for setting in SETTINGS:
+            for setting in GATED_SETTINGS if gated else SETTINGS:
                 dl._config = lambda *args, s=setting: s
                 try:
                     us = layer_us(ours, sets)

@@ -79,6 +79,25 @@ def test_residual_added_before_the_store(bias, device):
     _check_linear(x, weights, biases, torch.float32, residual)
 
 
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_adds_the_splits_once(split_k, device, monkeypatch):
+    """Split-K: each split's sums, added by the tile's last split (the bias, activation and
+    residual once); twice in a row, since the last split zeroes the tile counters for the next."""
+    monkeypatch.setattr(decode_linear_module, "_config", lambda *args: (16, 32, 4, 2, split_k))
+    x = torch.randn(3, 150, device=device)  # 5 K blocks: the splits' K ranges differ in length
+    weights, biases = _weights(150, (40, 8), torch.float32, device)
+    residual = torch.randn(3, 40, device=device)
+    for _ in range(2):
+        _check_linear(x, weights, biases, torch.float32)
+        assert all(not counts.any() for counts in decode_linear_module._split_counts.values())
+        _check_linear(x, weights[:1], biases[:1], torch.float32, residual)
+        with torch.no_grad():
+            out = ops.decode_gated_linear(x, weights[0], weights[0], "silu", biases[0], biases[0])
+        ref = reference.decode_gated_linear(x.double(), weights[0].double(), weights[0].double(), "silu",
+                                            biases[0].double(), biases[0].double())
+        assert_close(out, ref, torch.float32)
+
+
 def test_strided_rows(device):
     """A row stride that is not the row length (a slice of a wider tensor)."""
     x = torch.randn(4, 96, device=device)[:, 16:80]
@@ -176,3 +195,9 @@ def test_gpu_bf16_llama_projections(rows):
                  "gate/up")
     down, _ = _weights(14336, (4096,), torch.bfloat16, "cuda", bias=False)
     _check_linear(product, down, None, torch.bfloat16, residual=torch.randn_like(x))
+    # Qwen2-1.5B's down_proj: few output tiles over a long input, K split (twice: the counters reset)
+    small_down, _ = _weights(8960, (1536,), torch.bfloat16, "cuda", bias=False)
+    assert decode_linear_module._config(x, 16, 8960, 1536, False)[-1] > 1
+    x_down, residual = torch.randn(rows, 8960, dtype=torch.bfloat16, device="cuda"), torch.randn(rows, 1536).cuda()
+    for _ in range(2):
+        _check_linear(x_down, small_down, None, torch.bfloat16, residual=residual.bfloat16())

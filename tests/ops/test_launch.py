@@ -116,14 +116,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-TYPES = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
          "seqlens_ptr": "*i32", "length_ptr": "*i64", "scale": "fp32", "softcap": "fp32", "eps": "fp32",
          "dropout_p": "fp32"}
 KERNELS = [  # module, kernel, constexprs
     ("decode_linear", "_decode_linear_kernel", dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_RESIDUAL=False,
-     PRECISION="ieee", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
+     PRECISION="ieee", SPLIT_K=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
     ("decode_linear", "_decode_linear_kernel", dict(GATED=False, ACT=0, HAS_BIAS=False, HAS_RESIDUAL=True,
-     PRECISION="ieee", BLOCK_M=16, BLOCK_N=16, BLOCK_K=512)),
+     PRECISION="ieee", SPLIT_K=1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512)),
+    ("decode_linear", "_decode_linear_kernel", dict(GATED=False, ACT=0, HAS_BIAS=False, HAS_RESIDUAL=True,
+     PRECISION="ieee", SPLIT_K=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
     ("decode_attention", "_decode_split_kernel", dict(WINDOW=True, SOFTCAP=False, HEAD_DIM=64, BLOCK_M=16,
      BLOCK_N=64, BLOCK_D=64, LONG=False, PRECISION="ieee", DIRECT=False)),
     ("decode_attention", "_decode_merge_kernel", dict(HEAD_DIM=64, BLOCK_S=4, BLOCK_D=64)),
@@ -158,7 +160,7 @@ def test_dependent_kernels_wait_before_touching_memory():
     run = subprocess.run([sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.split("\n")[:-1]
-    assert len(lines) == 6 and all(line.endswith(" True True") for line in lines), run.stdout
+    assert len(lines) == 7 and all(line.endswith(" True True") for line in lines), run.stdout
 
 
 def test_no_dependent_launch_off_a_gpu_or_while_traced():

@@ -21,6 +21,14 @@ with ``tl.dot`` on the rows padded to BLOCK_M, so the tensor cores do the arithm
 the loads are all there is; the gated form owns the same features of both weights and
 applies the activation and product before its one store; a residual is added the same way.
 
+Narrow outputs over long inputs (a small model's down_proj: 1536 or 2048 features from
+8960 or 8192) give too few tiles to keep HBM busy: there the K loop is split in SPLIT_K
+programs per tile, each storing its fp32 sums; the tile's last split to finish (a counter
+per tile, zeroed again by that split) adds them up in split order, so the result does not
+depend on which finished first, and applies the bias and residual. Such launches on one
+stream with the same weights share the counters, so they must not run at once (two CUDA
+graphs captured on one stream, replayed together on two streams).
+
 The layer's RMSNorm is not folded into this launch: the per-tile reduction and re-layout of x
 in the K loop cost more than the separate norm launch (benchmarks/results/h200/decode_norm_fold.log).
 
@@ -54,6 +62,7 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     num_programs_for,
     route,
+    tracing,
     triton_op,
     use_triton_dot,
     wait_for_previous_kernel,
@@ -66,9 +75,13 @@ MAX_WEIGHTS = 3
 # 32 features, BLOCK_K 128, 3 stages, the best or near it at every shape timed, where the plain rule's widest
 # tiles left the gate/up pair slower (benchmarks/tune_decode_linear.py; numbers in CHANGELOG.md).
 BLOCK_K = {16: 512, 32: 256, 64: 256}
-GATED_CONFIG = (32, 128, 4, 3)
+GATED_CONFIG = (32, 128, 4, 3, 1)
 NUM_WARPS, NUM_STAGES = 4, 4
-INTERPRETER_CONFIG = (16, 64, 1, 1)
+INTERPRETER_CONFIG = (16, 64, 1, 1, 1)
+# Where the rule above would take 16 features over at least SPLIT_K_MIN_INPUTS inputs: 32 features, K split
+# in 4 (H100, one row: Qwen2-1.5B down_proj 13.9 -> 12.4 us, Llama-3.2-1B's 14.6 -> 14.3;
+# results/h100-80gb-hbm3/decode_linear_split_k.log)
+SPLIT_K_MIN_INPUTS, SPLIT_K_CONFIG = 4096, (32, 128, 4, 4, 4)
 SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (sm_90's limit: 227 KiB a block)
 
 # ----------------------------------------------------------------------------- kernel
@@ -82,14 +95,15 @@ def _select(in1, in2, a, b, c):
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, r_ptr,
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, r_ptr, part_ptr, count_ptr,
     n_rows, n_in, n0, n1, n2, x_row_stride, r_row_stride, tiles0, tiles1,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    pid = tl.program_id(0)
+    split = tl.program_id(0) % SPLIT_K  # the splits of one tile are neighbours in the grid
+    pid = tl.program_id(0) // SPLIT_K
     if GATED:  # every program: the same features of the gate (w0) and up (w1) weights
         w_ptr, b_ptr, y_ptr, n_out, tile = w0_ptr, b0_ptr, y0_ptr, n0, pid
     else:  # the grid runs the feature tiles of weight 0, then weight 1's, then weight 2's
@@ -105,8 +119,10 @@ def _decode_linear_kernel(
     w_rows = feats.to(tl.int64)[:, None] * n_in  # weights are contiguous [N, K]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, n_in, BLOCK_K):
-        k_ok = k + ks < n_in
+    k_lo = split * (tl.cdiv(tl.cdiv(n_in, SPLIT_K), BLOCK_K) * BLOCK_K)
+    k_hi = tl.minimum(k_lo + tl.cdiv(tl.cdiv(n_in, SPLIT_K), BLOCK_K) * BLOCK_K, n_in)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = k + ks < k_hi
         x = tl.load(x_rows + (k + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = feat_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
@@ -115,6 +131,25 @@ def _decode_linear_kernel(
             u = tl.load(w1_ptr + w_rows + (k + ks)[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
     launch_next_kernel(PDL)  # not before the loop: see launch_next_kernel
+    if SPLIT_K > 1:  # each split stores its sums; the tile's last split to finish adds them up, in split order
+        cell = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        slot = part_ptr + (pid * SPLIT_K + split) * (2 * BLOCK_M * BLOCK_N)
+        tl.store(slot + cell, acc, mask=row_ok[:, None])
+        if GATED:
+            tl.store(slot + BLOCK_M * BLOCK_N + cell, acc_up, mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread's sums stored before the count that releases them
+        if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") < SPLIT_K - 1:
+            return
+        tl.store(count_ptr + pid, 0)  # zero again for the next launch: every split has counted
+        first = part_ptr + pid * SPLIT_K * (2 * BLOCK_M * BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # (from L2: the other splits' stores are not in this SM's L1)
+            acc += tl.load(first + s * (2 * BLOCK_M * BLOCK_N) + cell, mask=row_ok[:, None], other=0.0,
+                           cache_modifier=".cg")
+            if GATED:
+                acc_up += tl.load(first + s * (2 * BLOCK_M * BLOCK_N) + BLOCK_M * BLOCK_N + cell,
+                                  mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         acc += tl.load(b_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -132,17 +167,33 @@ def _decode_linear_kernel(
 # ---------------------------------------------------------------------------- launcher
 
 
-def _config(x: Tensor, block_m: int, n_features: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``n_features`` outputs in all (see BLOCK_K)."""
+def _config(x: Tensor, block_m: int, n_in: int, n_features: int, gated: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for ``n_features`` outputs in all (see BLOCK_K)."""
     if interpreting():
         return INTERPRETER_CONFIG
     if gated:
         return GATED_CONFIG
     half_the_sms = num_programs_for(x.device) // 2
     block_n = next((n for n in (64, 32) if cdiv(n_features, n) >= half_the_sms), 16)
+    if block_n == 16 and n_in >= SPLIT_K_MIN_INPUTS:
+        return SPLIT_K_CONFIG
     block_k = BLOCK_K[block_n]
     per_stage = (block_m + block_n) * block_k * x.element_size()
-    return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage))
+    return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage)), 1
+
+
+# (stream, first weight's address) -> int32 counters of a split-K launch's tiles, zero between launches (each
+# tile's last split zeroes its own): two launches that share counters must not run at once
+_split_counts: dict = {}
+
+
+def _counters(x: Tensor, weight: Tensor, n_tiles: int) -> Tensor:
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    key = (x.device, stream, weight.data_ptr())
+    counts = _split_counts.get(key)
+    if counts is None or counts.numel() < n_tiles:
+        counts = _split_counts[key] = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+    return counts
 
 
 def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], act: int,
@@ -157,7 +208,7 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     if n_rows == 0:
         return outs
     block_m = max(16, next_power_of_2(n_rows))
-    block_n, block_k, num_warps, num_stages = _config(x, block_m, sum(o.shape[-1] for o in outs), gated)
+    block_n, block_k, num_warps, num_stages, split_k = _config(x, block_m, n_in, sum(o.shape[-1] for o in outs), gated)
     ws = [w.contiguous() for w in weights] + [weights[0]] * (MAX_WEIGHTS - len(weights))
     has_bias = any(b is not None for b in biases)
     bs = ([b.contiguous() if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
@@ -167,10 +218,14 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     r2 = as_rows(residual) if residual is not None else x2
     ns = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
     tiles = [cdiv(n, block_n) for n in ns]
-    launch(_decode_linear_kernel, (tiles[0] if gated else sum(tiles),),
-           x2, *ws, *bs, *ys, r2, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1],
+    n_tiles = tiles[0] if gated else sum(tiles)
+    split_k = 1 if tracing(x2) else max(1, min(split_k, cdiv(n_in, block_k)))
+    parts, counts = ((torch.empty(n_tiles * split_k * 2 * block_m * block_n, dtype=torch.float32, device=x.device),
+                      _counters(x2, ws[0], n_tiles)) if split_k > 1 else (x2, x2))
+    launch(_decode_linear_kernel, (n_tiles * split_k,),
+           x2, *ws, *bs, *ys, r2, parts, counts, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1],
            GATED=gated, ACT=max(act, 0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
-           PRECISION=precision_for(x.dtype),
+           PRECISION=precision_for(x.dtype), SPLIT_K=split_k,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=dependent_launch(x2), num_warps=num_warps,
            num_stages=num_stages)
     return outs
