@@ -42,7 +42,6 @@ call ``model.eval()`` first, as for ``generate`` (dropout would run otherwise).
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -51,15 +50,10 @@ from torch import Tensor, nn
 from onepass import DISTRIBUTION
 from onepass.models.cache import DECODE_LENGTHS, cache_keyword
 from onepass.ops.dispatch import is_int, is_number
+from onepass.ops.next_token import record_next_token
 
 WARMUP_STEPS = 2  # eager steps before the first capture
 CHECK_EVERY = 16  # decode steps between reads of the finished flags (each read is a host sync)
-
-
-@functools.cache
-def _pieces(vocab: int) -> int:
-    """The most pieces, up to 128, that cut a vocab into equal pieces of at least 256 (1 if none)."""
-    return max(c for c in range(1, 129) if vocab % c == 0 and (c == 1 or vocab // c >= 256))
 
 
 def _check_request(input_ids: Tensor, max_new_tokens: int) -> None:
@@ -161,22 +155,11 @@ class Decoder:
 
     # ------------------------------------------------------------------------ the step
 
-    def _argmax(self, logits: Tensor) -> Tensor:
-        """``logits.argmax(-1)`` (the first index of the maximum) in two parallel stages: one
-        reduction over a whole 128k-vocab row runs on a few thread blocks, a large share of the
-        LM head's time. The row is cut in ``_pieces(vocab)`` equal pieces."""
-        rows, vocab = logits.shape
-        pieces = _pieces(vocab)
-        if pieces == 1:
-            return logits.argmax(-1)
-        values, within = logits.reshape(rows, pieces, vocab // pieces).max(-1)
-        piece = values.argmax(-1, keepdim=True)  # the first piece holding the maximum
-        return (piece * (vocab // pieces) + within.gather(-1, piece)).squeeze(-1)
-
-    def _pick(self, logits: Tensor) -> Tensor:
-        """The next token of each row from its last logits [batch, vocab]."""
+    def _scores(self, logits: Tensor) -> Tensor:
+        """Scores whose argmax is each row's next token, from its last logits [batch, vocab]: the
+        logits themselves (greedy), or a draw by the Gumbel-max trick."""
         if not self.do_sample:
-            return self._argmax(logits)
+            return logits
         logits = logits.float() / self.temperature
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
@@ -187,17 +170,14 @@ class Decoder:
             # drop a token once the likelier ones already reach top_p (the likeliest is always kept)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+        return probs / torch.empty_like(probs).exponential_()
 
-    def _emit(self, logits: Tensor) -> None:
-        """Pick each row's token for cache position ``_index`` and record it."""
-        token = self._pick(logits)
-        if self.eos_token_ids:
-            self._live_steps += (~self._finished).any()
-            token = torch.where(self._finished, self._pad, token)
-            self._finished |= torch.isin(token, self._eos)
-        self._next.copy_(token[:, None])
-        self._tokens.index_copy_(1, self._index, self._next)
+    def _emit(self, logits: Tensor, advance: bool) -> None:
+        """Pick each row's token and record it at cache position ``_index`` (after advancing the
+        index and positions, with ``advance``), with the finished flags: ``ops.next_token``."""
+        eos = (self._eos, self._pad, self._finished, self._live_steps) if self.eos_token_ids else ()
+        record_next_token(self._scores(logits), self._tokens, self._next, self._index, self._position, advance,
+                          *eos)
 
     def _step(self, padded: bool) -> None:
         """One decode step: the model on ``_next``, then the token after it."""
@@ -208,9 +188,7 @@ class Decoder:
         setattr(self.cache, DECODE_LENGTHS, None if padded else self._lengths)
         out = self.model(self._next, attention_mask=self._mask if padded else None, position_ids=self._position,
                          use_cache=True, **{cache_keyword(): self.cache})
-        self._index += 1
-        self._position += 1
-        self._emit(out.logits[:, -1])
+        self._emit(out.logits[:, -1], advance=True)
 
     def _run_step(self, padded: bool, eager_steps: int) -> None:
         """The step as a graph replay, or eagerly (before capture, or without graphs)."""
@@ -324,7 +302,7 @@ class Decoder:
                          use_cache=True, logits_to_keep=1, **{cache_keyword(): self.cache})
         self._index.fill_(length)
         self._position.copy_(positions[:, -1:] + 1)
-        self._emit(out.logits[:, -1])
+        self._emit(out.logits[:, -1], advance=False)
         del out
         steps, eager_steps = 1, 0
         while steps < max_new_tokens:

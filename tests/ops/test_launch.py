@@ -116,7 +116,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
+         "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
          "seqlens_ptr": "*i32", "length_ptr": "*i64", "scale": "fp32", "softcap": "fp32", "eps": "fp32",
          "dropout_p": "fp32"}
 KERNELS = [  # module, kernel, constexprs

@@ -12,6 +12,7 @@ from onepass.reference.linear import decode_gated_linear, decode_linear
 from onepass.reference.lora import lora_linear
 from onepass.reference.loss import cross_entropy, linear_cross_entropy, logsumexp_argmax
 from onepass.reference.moe import moe_experts
+from onepass.reference.next_token import record_next_token
 from onepass.reference.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from onepass.reference.optim import adamw_step
 from onepass.reference.post_training import (
@@ -30,5 +31,5 @@ __all__ = [
     "decode_gated_linear", "decode_linear", "geglu", "gelu", "generalized_jsd", "layer_norm", "linear_cross_entropy",
     "linear_cpo_loss", "linear_dpo_loss", "linear_grpo_loss", "linear_jsd_loss", "linear_kto_loss",
     "linear_orpo_loss", "linear_simpo_loss", "logsumexp_argmax",
-    "lora_linear", "moe_experts", "rms_norm", "rope", "softmax", "swiglu",
+    "lora_linear", "moe_experts", "record_next_token", "rms_norm", "rope", "softmax", "swiglu",
 ]
