@@ -28,8 +28,9 @@ head dim D, element size e):
     repeat_kv copies: 2*B*H*L_max*D*e and more          (+ the tiny q, o and partials)
 
 The number of splits makes B * Hk * splits about twice the SM count, so batch 1 fills
-the GPU; each split keeps at least MIN_SPLIT_TOKENS positions of the visible range (with a
-window W: at most W + Tq - 1 positions, however long the cache).
+the GPU; each split keeps at least 64 to 256 positions of the visible range, fewer where few
+sequences x kv heads leave SMs idle (with a window W: at most W + Tq - 1 positions, however
+long the cache).
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ from onepass.ops.dispatch import (
 DECODE_CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 FP32_CONFIG = (32, 4, 2)  # fp32 inputs (tests on a GPU): FMA dots, shared memory in bounds at D = 256
 INTERPRETER_CONFIG = (16, 1, 1)
-# Fewest cache positions a split takes: shorter splits cost more in merging than they add in parallelism
-# (benchmarks/tune_decode.py, no committed table; the numbers behind 256 are in CHANGELOG.md).
-MIN_SPLIT_TOKENS = 256
+# Fewest cache positions a split takes: SPLIT_TOKENS_PER_ROW per (sequence, kv head) of the batch, within
+# SPLIT_TOKENS_RANGE: shorter splits cost more in merging than they add in parallelism, except where few kv heads
+# leave most SMs idle (H100 decode step, 512 and 4096 cached: results/h100-80gb-hbm3/decode_split_tokens.log)
+SPLIT_TOKENS_PER_ROW, SPLIT_TOKENS_RANGE = 32, (64, 256)
 MAX_SPLITS = 64
 MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
 MERGE_WARPS = 4
@@ -164,7 +166,8 @@ def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_le
     would start a third, mostly idle wave (benchmarks/tune_decode.py checks it against the
     best split count)."""
     want = max(1, 2 * num_programs_for(device) // max(1, batch * kv_heads))
-    return max(1, min(want, cdiv(cache_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    fewest = min(max(SPLIT_TOKENS_PER_ROW * batch * kv_heads, SPLIT_TOKENS_RANGE[0]), SPLIT_TOKENS_RANGE[1])
+    return max(1, min(want, cdiv(cache_len, fewest), MAX_SPLITS))
 
 
 def _bhsd(t: Tensor, layout: str) -> Tensor:
