@@ -207,6 +207,72 @@ def test_opcheck(device):
     torch.library.opcheck(_rope_inplace, (q.detach().clone(), k.detach().clone(), cos, sin, None, "bhsd", False))
 
 
+# ------------------------------------------------------------------------ the rotary tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tables_match_transformers_rotary_embedding(dtype, device):
+    """Llama's rotary embedding (llama3 scaling: an attention_scaling of 1 and scaled frequencies),
+    and a scaling != 1 with frequencies held in bfloat16; positions per row, expanded, and large."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    emb = LlamaRotaryEmbedding(config).to(device)
+    x = torch.zeros(1, dtype=dtype, device=device)
+    for positions in (torch.tensor([[0, 5, 131071], [3, 4, 9]], device=device),
+                      torch.arange(7, device=device).expand(3, 7)):
+        for ours, theirs in zip(ops.rope_tables(positions, emb.inv_freq, emb.attention_scaling, dtype),
+                                emb(x, positions)):
+            assert ours.dtype == dtype and ours.shape == theirs.shape == (*positions.shape, 32)
+            assert_close(ours, theirs, dtype)
+    inv_freq = emb.inv_freq.bfloat16()
+    for ours, ref in zip(ops.rope_tables(positions, inv_freq, 0.7, dtype),
+                         reference.rope_tables(positions, inv_freq, 0.7, dtype)):
+        assert_close(ours, ref, dtype)
+
+
+def test_tables_opcheck_and_bad_input(device):
+    from onepass.ops.rope import _rope_tables
+
+    positions = torch.arange(6, device=device).reshape(2, 3)
+    inv_freq = torch.rand(8, device=device)
+    torch.library.opcheck(_rope_tables, (positions, inv_freq, 1.5, torch.bfloat16))
+    assert [t.shape for t in ops.rope_tables(positions[:, :0], inv_freq)] == [(2, 0, 16)] * 2
+    with pytest.raises(ValueError, match="position_ids"):
+        ops.rope_tables(positions.float(), inv_freq)
+    with pytest.raises(ValueError, match="inv_freq"):
+        ops.rope_tables(positions, inv_freq[None])
+
+
+def test_optimize_gives_the_rotary_embedding_the_one_launch_tables(device):
+    """optimize patches Llama's rotary embedding (its tables then come from rope_tables: same
+    values) and leaves a dynamic one, whose frequencies change on the host, as it is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import onepass
+
+    def tiny(rope_parameters):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, rope_parameters=rope_parameters)
+        return LlamaForCausalLM(config).to(device).eval()
+
+    model = tiny({"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.arange(5, device=device)[None]
+    x = torch.zeros(1, device=device)
+    before = model.model.rotary_emb(x, positions)
+    onepass.optimize(model)
+    assert "rotary tables in one launch" in onepass.optimize_report(model)["rope"]
+    for ours, theirs in zip(model.model.rotary_emb(x, positions), before):
+        assert_close(ours, theirs, torch.float32)
+    dynamic = tiny({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    onepass.optimize(dynamic)
+    assert "rotary tables" not in onepass.optimize_report(dynamic)["rope"]
+    assert "forward" not in vars(dynamic.model.rotary_emb)  # the class's own
+
+
 # ------------------------------------------------------------------------ bad input
 
 

@@ -89,7 +89,8 @@ def patch(model: nn.Module, patches: Patches, switches: dict[str, bool]) -> dict
                                        experts.use_onepass_experts(patches, decoder, calls))
         recomputed += mlp.recomputed_products(decoder) if recompute else []
     if switches["rope"]:
-        status["rope"] = rotary.patch_attention(patches, decoder, calls)
+        status["rope"] = _joined(rotary.patch_attention(patches, decoder, calls),
+                                 rotary.patch_rotary_tables(patches, model))
     if switches["attention"]:
         status["attention"] = use_onepass_attention(patches, model)
     if switches["loss"]:

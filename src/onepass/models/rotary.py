@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor, nn
 
 from onepass import ops
@@ -196,3 +197,52 @@ def patch_attention(patches: Patches, layers, calls: dict | None) -> str:
         return f"{UNFUSED}: {listing}" + (f" ({len(chosen)} other classes fused)" if chosen else "")
     styles = sorted({p.style for p in chosen.values()})
     return f"{FUSED}: rope on q and k in one pass, [batch, seq, heads, dim] layout ({', '.join(styles)})"
+
+
+# rope types whose tables transformers' dynamic_rope_update recomputes on the host as sequences grow
+_HOST_UPDATED_ROPE = ("dynamic", "longrope")
+
+
+def _rotary_tables_forward():
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.rope_tables(position_ids, self.inv_freq, self.attention_scaling, x.dtype)
+
+    return forward
+
+
+def _why_tables_differ(emb: nn.Module) -> str | None:
+    """Why ``ops.rope_tables`` cannot stand in for the rotary embedding ``emb``'s forward, or None:
+    its parts, then its tables at a few positions (float32) against the module's own."""
+    inv_freq, scaling = getattr(emb, "inv_freq", None), getattr(emb, "attention_scaling", None)
+    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not isinstance(scaling, (int, float)):
+        return "no inv_freq buffer and attention_scaling"
+    if any(kind in str(getattr(emb, "rope_type", "")) for kind in _HOST_UPDATED_ROPE):
+        return f"rope type {emb.rope_type!r} updates its frequencies on the host"
+    if inv_freq.device.type == "meta":
+        return "not probed (the weights are on the meta device)"
+    positions = torch.tensor([[0, 1, 7, 1000, 4095]], device=inv_freq.device)
+    x = torch.zeros(1, 1, device=inv_freq.device)
+    try:
+        theirs = type(emb).forward(emb, x, positions)
+    except Exception as e:  # a forward that takes other arguments
+        return f"its forward(x, position_ids) failed ({type(e).__name__})"
+    ours = ops.rope_tables(positions, inv_freq, scaling, x.dtype)
+    if not all(isinstance(t, Tensor) and t.shape == o.shape and torch.allclose(t, o, rtol=1e-5, atol=1e-6)
+               for t, o in zip(theirs, ours)):
+        return "its tables differ from rope_tables'"
+    return None
+
+
+def patch_rotary_tables(patches: Patches, model: nn.Module) -> str:
+    """Give the model's rotary embedding (``base_model.rotary_emb``, which every decoder layer's
+    attention reads) ``ops.rope_tables`` as its forward: one launch where transformers' takes
+    six to nine (product, concatenation, cos, sin, scalings, casts), a share of a small batch's
+    decode step."""
+    emb = getattr(model.base_model, "rotary_emb", None)
+    if emb is None:
+        return "n/a: no rotary_emb module"
+    why = _why_tables_differ(emb)
+    if why is not None:
+        return f"n/a: rotary tables as transformers computes them ({why})"
+    patches.set_forward(emb, _rotary_tables_forward)
+    return f"{FUSED}: the rotary tables in one launch"

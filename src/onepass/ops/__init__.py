@@ -19,7 +19,7 @@ from onepass.ops.preference import (
     linear_orpo_loss,
     linear_simpo_loss,
 )
-from onepass.ops.rope import rope
+from onepass.ops.rope import rope, rope_tables
 from onepass.ops.softmax import softmax
 
 __all__ = [
@@ -28,5 +28,5 @@ __all__ = [
     "decode_linear", "geglu",
     "layer_norm", "linear_cpo_loss", "linear_cross_entropy", "linear_dpo_loss", "linear_grpo_loss", "linear_jsd_loss",
     "linear_kto_loss", "linear_orpo_loss", "linear_simpo_loss", "lora_linear", "moe_experts", "rms_norm", "rope",
-    "softmax", "swiglu",
+    "rope_tables", "softmax", "swiglu",
 ]

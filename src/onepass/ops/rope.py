@@ -42,14 +42,17 @@ from onepass.ops.dispatch import (
     cdiv,
     check_float,
     check_same_device,
+    dependent_launch,
     eager_autograd,
     first_order_only,
     launch,
+    launch_next_kernel,
     next_power_of_2,
     route,
     triton_op,
     unit_stride,
     use_triton,
+    wait_for_previous_kernel,
 )
 
 # A program rotates about TILE_ELEMENTS values (BLOCK_H heads x R dims) with NUM_WARPS warps; TOKEN_TILE: tokens
@@ -58,6 +61,7 @@ from onepass.ops.dispatch import (
 TILE_ELEMENTS = 1024
 NUM_WARPS = 1
 TOKEN_TILE = 1024
+TABLE_ELEMENTS = 2048  # angles a program of rope_tables computes (a decode step: one program)
 
 LAYOUTS = ("bhsd", "bshd")
 STYLES = ("half", "interleaved")
@@ -165,6 +169,26 @@ def _rope_kernel(
 
 
 # ---------------------------------------------------------------------------- launchers
+
+
+@triton.jit
+def _tables_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, n_rows, seq_len, pos_batch_stride, pos_seq_stride,
+                   half, scaling, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    launch_next_kernel(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (batch, token) pairs
+    freqs = tl.arange(0, BLOCK_F)
+    row_ok, freq_ok = rows < n_rows, freqs < half
+    pos = tl.load(pos_ptr + (rows // seq_len).to(tl.int64) * pos_batch_stride + (rows % seq_len) * pos_seq_stride,
+                  mask=row_ok, other=0).to(tl.float32)
+    angle = pos[:, None] * tl.load(inv_freq_ptr + freqs, mask=freq_ok, other=0.0).to(tl.float32)[None, :]
+    at = rows.to(tl.int64)[:, None] * (2 * half) + freqs[None, :]
+    ok = row_ok[:, None] & freq_ok[None, :]
+    c = (tl.cos(angle) * scaling).to(cos_ptr.dtype.element_ty)
+    s = (tl.sin(angle) * scaling).to(sin_ptr.dtype.element_ty)
+    for offset in tl.static_range(2):  # each frequency twice: [freqs, freqs]
+        tl.store(cos_ptr + at + offset * half, c, mask=ok)
+        tl.store(sin_ptr + at + offset * half, s, mask=ok)
 
 
 def _bsh_strides(x: Tensor, layout: str) -> tuple[int, int, int]:
@@ -346,3 +370,45 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | 
         return q, k
     return route(_rope, _rope_out_of_place, q, k, autograd=_rope_eager)(q, k, cos, sin, position_ids, layout,
                                                                         interleaved, False)
+
+
+# ------------------------------------------------------------------ the rotary tables
+
+
+def _tables_launch(position_ids: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype):
+    batch, seq_len = position_ids.shape
+    half = inv_freq.shape[0]
+    cos = torch.empty(batch, seq_len, 2 * half, dtype=dtype, device=position_ids.device)
+    sin = torch.empty_like(cos)
+    if cos.numel() == 0:
+        return cos, sin
+    block_f = next_power_of_2(half)
+    block_t = max(1, TABLE_ELEMENTS // block_f)
+    launch(_tables_kernel, (cdiv(batch * seq_len, block_t),), position_ids, inv_freq, cos, sin, batch * seq_len,
+           seq_len, *position_ids.stride(), half, scaling, BLOCK_T=block_t, BLOCK_F=block_f,
+           PDL=dependent_launch(cos), num_warps=4)
+    return cos, sin
+
+
+@triton_op("onepass::rope_tables", mutates_args=())
+def _rope_tables(position_ids: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _tables_launch(position_ids, inv_freq, scaling, dtype)
+
+
+def rope_tables(position_ids: Tensor, inv_freq: Tensor, scaling: float = 1.0,
+                dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """HF's rotary tables (cos, sin) [B, S, 2 * F] in ``dtype``, in one launch: with the angles
+    ``position_ids[b, s] * inv_freq[f]`` in fp32, ``cos = cat(cos(angles), cos(angles)) * scaling``
+    (sin the same), as a transformers rotary embedding's forward computes them (F = head_dim / 2
+    frequencies). position_ids: integer [B, S]; inv_freq: float [F] (fp32 or a cast of it)."""
+    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+        raise ValueError(f"position_ids must be an integer tensor [batch, seq], got "
+                         f"{tuple(position_ids.shape) if isinstance(position_ids, Tensor) else type(position_ids)}")
+    check_float("inv_freq", inv_freq)
+    if inv_freq.dim() != 1:
+        raise ValueError(f"inv_freq must be 1-D [head_dim / 2], got shape {tuple(inv_freq.shape)}")
+    check_same_device(position_ids=position_ids, inv_freq=inv_freq)
+    if not use_triton(position_ids):
+        return reference.rope_tables(position_ids, inv_freq, scaling, dtype)
+    inv_freq = inv_freq.contiguous()
+    return route(_rope_tables, _tables_launch, inv_freq)(position_ids, inv_freq, float(scaling), dtype)

@@ -23,7 +23,7 @@ from onepass.reference.post_training import (
     linear_orpo_loss,
     linear_simpo_loss,
 )
-from onepass.reference.rope import rope
+from onepass.reference.rope import rope, rope_tables
 from onepass.reference.softmax import softmax
 
 __all__ = [
@@ -31,5 +31,5 @@ __all__ = [
     "decode_gated_linear", "decode_linear", "geglu", "gelu", "generalized_jsd", "layer_norm", "linear_cross_entropy",
     "linear_cpo_loss", "linear_dpo_loss", "linear_grpo_loss", "linear_jsd_loss", "linear_kto_loss",
     "linear_orpo_loss", "linear_simpo_loss", "logsumexp_argmax",
-    "lora_linear", "moe_experts", "record_next_token", "rms_norm", "rope", "softmax", "swiglu",
+    "lora_linear", "moe_experts", "record_next_token", "rms_norm", "rope", "rope_tables", "softmax", "swiglu",
 ]

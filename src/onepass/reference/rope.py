@@ -44,3 +44,10 @@ def rope(q, k, cos, sin, position_ids=None, layout="bhsd", style="half"):
         rot = rot * cos.to(h.dtype) + rotate(rot) * sin.to(h.dtype)
         outs.append(torch.cat((rot, rest), dim=-1).to(x.dtype))
     return tuple(outs)
+
+
+def rope_tables(position_ids, inv_freq, scaling=1.0, dtype=torch.float32):
+    """transformers' rotary tables: (cos, sin) [B, S, 2F] of the fp32 angles position * inv_freq."""
+    angles = position_ids[..., None].float() * inv_freq.float()
+    angles = torch.cat((angles, angles), dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
