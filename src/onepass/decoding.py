@@ -174,17 +174,16 @@ class Decoder:
 
     def _emit(self, logits: Tensor, advance: bool) -> None:
         """Pick each row's token and record it at cache position ``_index`` (after advancing the
-        index and positions, with ``advance``), with the finished flags: ``ops.next_token``."""
-        eos = (self._eos, self._pad, self._finished, self._live_steps) if self.eos_token_ids else ()
+        index and positions, with ``advance``), with the finished flags and the next step's cache
+        lengths: ``ops.next_token``."""
+        eos = (self._eos, self._pad, self._finished, self._live_steps) if self.eos_token_ids else (None,) * 4
         record_next_token(self._scores(logits), self._tokens, self._next, self._index, self._position, advance,
-                          *eos)
+                          *eos, self._lengths)
 
     def _step(self, padded: bool) -> None:
         """One decode step: the model on ``_next``, then the token after it."""
         if padded:
             self._mask.index_fill_(1, self._index, True)
-        elif self._lengths is not None:
-            self._lengths.copy_(self._index + 1)
         setattr(self.cache, DECODE_LENGTHS, None if padded else self._lengths)
         out = self.model(self._next, attention_mask=self._mask if padded else None, position_ids=self._position,
                          use_cache=True, **{cache_keyword(): self.cache})

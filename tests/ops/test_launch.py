@@ -119,7 +119,8 @@ from triton.compiler import ASTSource
 TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
          "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "best_ptr": "*fp32", "where_ptr": "*i64", "tokens_ptr": "*i64",
          "next_ptr": "*i64", "index_ptr": "*i64", "position_ptr": "*i64", "eos_ptr": "*i64", "pad_ptr": "*i64",
-         "finished_ptr": "*i1", "live_ptr": "*i64", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "scaling": "fp32",
+         "finished_ptr": "*i1", "live_ptr": "*i64", "lengths_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
+         "scaling": "fp32",
          "seqlens_ptr": "*i32", "length_ptr": "*i64", "scale": "fp32", "softcap": "fp32", "eps": "fp32",
          "dropout_p": "fp32"}
 KERNELS = [  # module, kernel, constexprs
@@ -134,7 +135,7 @@ KERNELS = [  # module, kernel, constexprs
     ("decode_attention", "_decode_merge_kernel", dict(HEAD_DIM=64, BLOCK_S=4, BLOCK_D=64)),
     ("kv_cache", "_append_kv_kernel", dict(ROPE=True, BLOCK_ROWS=16, BLOCK_D=64)),
     ("next_token", "_piece_max_kernel", dict(BLOCK=1024)),
-    ("next_token", "_record_kernel", dict(ADVANCE=True, EOS=True, BLOCK_B=8, BLOCK_P=64, BLOCK_E=2)),
+    ("next_token", "_record_kernel", dict(ADVANCE=True, EOS=True, LENGTHS=True, BLOCK_B=8, BLOCK_P=64, BLOCK_E=2)),
     ("rope", "_tables_kernel", dict(BLOCK_T=32, BLOCK_F=64)),
     ("norm", "_norm_fwd_kernel", dict(IS_RMS=True, HAS_RESIDUAL=True, HAS_DROPOUT=False, HAS_WEIGHT=True,
      HAS_BIAS=False, BLOCK_N=2048, ONE_BLOCK=True)),

@@ -8,7 +8,8 @@ from onepass.ops import next_token
 def _state(batch, length, device):
     tokens = torch.randint(0, 50, (batch, length), device=device)
     return {"tokens": tokens, "next_token": torch.zeros(batch, 1, dtype=torch.long, device=device),
-            "index": torch.tensor([3], device=device), "position": torch.arange(batch, device=device)[:, None] + 7}
+            "index": torch.tensor([3], device=device), "position": torch.arange(batch, device=device)[:, None] + 7,
+            "lengths": torch.zeros(batch, dtype=torch.int32, device=device)}
 
 
 def _run(fn, scores, state, advance, eos):

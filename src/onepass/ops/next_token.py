@@ -7,7 +7,7 @@ Per row b of scores [B, V] (logits, or a sampler's scores: the Gumbel-max draw i
     advance: index += 1, position_b += 1
     with end-of-sequence ids: live_steps += any_b(not finished_b); token_b = pad if finished_b;
                               finished_b |= token_b in eos
-    next_token[b, 0] = token_b; tokens[b, index] = token_b
+    next_token[b, 0] = token_b; tokens[b, index] = token_b; lengths_b = index + 1 (the next step's)
 
 In PyTorch (``reference.record_next_token``) that is some fifteen kernels of a microsecond or two
 each: an argmax over a 128k vocabulary is a reduction that a few thread blocks run, and each
@@ -67,9 +67,9 @@ def _piece_max_kernel(scores_ptr, best_ptr, where_ptr, vocab, row_stride, piece_
 @triton.jit
 def _record_kernel(best_ptr, where_ptr, n_rows, n_pieces, tokens_ptr, tokens_row_stride, tokens_col_stride,
                    next_ptr, next_row_stride, index_ptr, position_ptr, position_row_stride,
-                   eos_ptr, n_eos, pad_ptr, finished_ptr, live_ptr,
-                   ADVANCE: tl.constexpr, EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
-                   BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                   eos_ptr, n_eos, pad_ptr, finished_ptr, live_ptr, lengths_ptr,
+                   ADVANCE: tl.constexpr, EOS: tl.constexpr, LENGTHS: tl.constexpr, BLOCK_B: tl.constexpr,
+                   BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     launch_next_kernel(PDL)
     rows = tl.arange(0, BLOCK_B)
@@ -97,20 +97,24 @@ def _record_kernel(best_ptr, where_ptr, n_rows, n_pieces, tokens_ptr, tokens_row
         tl.store(finished_ptr + rows, finished | hit, mask=row_ok)
     tl.store(next_ptr + rows * next_row_stride, token, mask=row_ok)
     tl.store(tokens_ptr + rows.to(tl.int64) * tokens_row_stride + index * tokens_col_stride, token, mask=row_ok)
+    if LENGTHS:
+        tl.store(lengths_ptr + rows, (index + 1).to(tl.int32), mask=row_ok)
 
 
 def record_next_token(scores: Tensor, tokens: Tensor, next_token: Tensor, index: Tensor, position: Tensor,
                       advance: bool, eos: Tensor | None = None, pad: Tensor | None = None,
-                      finished: Tensor | None = None, live_steps: Tensor | None = None) -> None:
+                      finished: Tensor | None = None, live_steps: Tensor | None = None,
+                      lengths: Tensor | None = None) -> None:
     """``reference.record_next_token`` (its docstring says what it does) in two launches.
 
     scores [B, V] (unit last stride); tokens [B, L], next_token [B, 1], position [B, 1] and the
     one-element index, int64; ``eos`` (int64 [E], E >= 1), ``pad`` (int64, one element),
-    ``finished`` (bool [B]) and ``live_steps`` (int64, one element) together or not at all. The
+    ``finished`` (bool [B]) and ``live_steps`` (int64, one element) together or not at all;
+    ``lengths`` int32 [B], contiguous, or None. The
     caller (``onepass.Decoder``, which owns these tensors) keeps them consistent; in place."""
     if not use_triton(scores) or scores.stride(-1) != 1 or scores.shape[-1] == 0:
         reference.record_next_token(scores, tokens, next_token, index, position, advance, eos, pad, finished,
-                                    live_steps)
+                                    live_steps, lengths)
         return
     batch, vocab = scores.shape
     pieces = max(1, min(cdiv(vocab, MIN_PIECE), cdiv(2 * num_programs_for(scores.device), batch)))
@@ -125,5 +129,7 @@ def record_next_token(scores: Tensor, tokens: Tensor, next_token: Tensor, index:
     state = (eos, eos.numel(), pad, finished, live_steps) if with_eos else (index, 0, index, index, index)
     launch(_record_kernel, (1,), best, where, batch, pieces, tokens, *tokens.stride(), next_token,
            next_token.stride(0), index, position, position.stride(0), *state,
-           ADVANCE=advance, EOS=with_eos, BLOCK_B=next_power_of_2(batch), BLOCK_P=next_power_of_2(pieces),
+           lengths if lengths is not None else index,
+           ADVANCE=advance, EOS=with_eos, LENGTHS=lengths is not None, BLOCK_B=next_power_of_2(batch),
+           BLOCK_P=next_power_of_2(pieces),
            BLOCK_E=next_power_of_2(eos.numel()) if with_eos else 1, PDL=pdl, num_warps=4)
