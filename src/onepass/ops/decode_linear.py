@@ -78,10 +78,10 @@ BLOCK_K = {16: 512, 32: 256, 64: 256}
 GATED_CONFIG = (32, 128, 4, 3, 1)
 NUM_WARPS, NUM_STAGES = 4, 4
 INTERPRETER_CONFIG = (16, 64, 1, 1, 1)
-# Where the rule above would take 16 features over at least SPLIT_K_MIN_INPUTS inputs: 32 features, K split
-# in 4 (H100, one row: Qwen2-1.5B down_proj 13.9 -> 12.4 us, Llama-3.2-1B's 14.6 -> 14.3;
-# results/h100-80gb-hbm3/decode_linear_split_k.log)
-SPLIT_K_MIN_INPUTS, SPLIT_K_CONFIG = 4096, (32, 128, 4, 4, 4)
+# Where the rule above would take 16 features over at least SPLIT_K_MIN_INPUTS inputs (the second: launched as
+# a programmatic dependent, whose wait hides the splits' last adds): 32 features, K split in 4. H100 decode
+# steps: results/h100-80gb-hbm3/decode_linear_split_k.log (one layer) and decode_step_variants.log
+SPLIT_K_MIN_INPUTS, SPLIT_K_CONFIG = (4096, 1024), (32, 128, 4, 4, 4)
 SHARED_MEMORY = 160 * 1024  # bytes of pipelined tiles a program may hold (sm_90's limit: 227 KiB a block)
 
 # ----------------------------------------------------------------------------- kernel
@@ -175,7 +175,7 @@ def _config(x: Tensor, block_m: int, n_in: int, n_features: int, gated: bool) ->
         return GATED_CONFIG
     half_the_sms = num_programs_for(x.device) // 2
     block_n = next((n for n in (64, 32) if cdiv(n_features, n) >= half_the_sms), 16)
-    if block_n == 16 and n_in >= SPLIT_K_MIN_INPUTS:
+    if block_n == 16 and n_in >= SPLIT_K_MIN_INPUTS[dependent_launch(x)]:
         return SPLIT_K_CONFIG
     block_k = BLOCK_K[block_n]
     per_stage = (block_m + block_n) * block_k * x.element_size()
