@@ -208,12 +208,16 @@ def test_dependent_launches_in_a_graph_give_the_results_of_plain_launches(monkey
             h = ops.decode_gated_linear(y, w[1], w[2])
         return h
 
+    counters = sys.modules["onepass.ops.decode_linear"]._split_counts
+
     def replayed():
         with torch.no_grad():
-            chain()  # compiles outside the capture
+            chain()  # compiles outside the capture, and makes the split-K counters there
+            made = len(counters)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = chain()
+            assert len(counters) == made  # none zero-filled inside the graph
             graph.replay()
             torch.cuda.synchronize()
             return out.clone()

@@ -25,9 +25,9 @@ Narrow outputs over long inputs (a small model's down_proj: 1536 or 2048 feature
 8960 or 8192) give too few tiles to keep HBM busy: there the K loop is split in SPLIT_K
 programs per tile, each storing its fp32 sums; the tile's last split to finish (a counter
 per tile, zeroed again by that split) adds them up in split order, so the result does not
-depend on which finished first, and applies the bias and residual. Such launches on one
-stream with the same weights share the counters, so they must not run at once (two CUDA
-graphs captured on one stream, replayed together on two streams).
+depend on which finished first, and applies the bias and residual. Such launches with the
+same weights share the counters, so they must not run at once: one model's decode steps on
+two streams at a time (two CUDA graphs replayed together on two streams) would mix them up.
 
 The layer's RMSNorm is not folded into this launch: the per-tile reduction and re-layout of x
 in the K loop cost more than the separate norm launch (benchmarks/results/h200/decode_norm_fold.log).
@@ -182,14 +182,14 @@ def _config(x: Tensor, block_m: int, n_in: int, n_features: int, gated: bool) ->
     return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage)), 1
 
 
-# (stream, first weight's address) -> int32 counters of a split-K launch's tiles, zero between launches (each
-# tile's last split zeroes its own): two launches that share counters must not run at once
+# (device, first weight's address) -> int32 counters of a split-K launch's tiles, zero between launches (each
+# tile's last split zeroes its own). Not per stream: a CUDA graph captured after an eager call reuses them, with
+# no fill in the graph. Two launches that share counters must not run at once (see the module's docstring).
 _split_counts: dict = {}
 
 
 def _counters(x: Tensor, weight: Tensor, n_tiles: int) -> Tensor:
-    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-    key = (x.device, stream, weight.data_ptr())
+    key = (x.device, weight.data_ptr())
     counts = _split_counts.get(key)
     if counts is None or counts.numel() < n_tiles:
         counts = _split_counts[key] = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
