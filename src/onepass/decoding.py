@@ -48,7 +48,9 @@ import torch
 from torch import Tensor, nn
 
 from onepass import DISTRIBUTION
+from onepass.models.attention import masks_unread
 from onepass.models.cache import DECODE_LENGTHS, cache_keyword
+from onepass.models.patches import FUSED
 from onepass.ops.dispatch import is_int, is_number
 from onepass.ops.next_token import record_next_token
 
@@ -185,9 +187,21 @@ class Decoder:
         if padded:
             self._mask.index_fill_(1, self._index, True)
         setattr(self.cache, DECODE_LENGTHS, None if padded else self._lengths)
-        out = self.model(self._next, attention_mask=self._mask if padded else None, position_ids=self._position,
-                         use_cache=True, **{cache_keyword(): self.cache})
+        with masks_unread(not padded and self._lengths is not None and self._reads_lengths):
+            out = self.model(self._next, attention_mask=self._mask if padded else None,
+                             position_ids=self._position, use_cache=True, **{cache_keyword(): self.cache})
         self._emit(out.logits[:, -1], advance=True)
+
+    def _attention_reads_lengths(self) -> bool:
+        """Whether every attention layer of the model runs onepass's decode attention over the
+        cache lengths (optimized, each attention block fused, attn_implementation "onepass"), so
+        that no layer reads a mask in an unpadded step."""
+        from onepass.patching import is_optimized, optimize_report
+
+        if not is_optimized(self.model) or self.model.config._attn_implementation != "onepass":
+            return False
+        report = optimize_report(self.model)
+        return report["rope"].startswith(FUSED) and report["attention"].startswith(FUSED)
 
     def _run_step(self, padded: bool, eager_steps: int) -> None:
         """The step as a graph replay, or eagerly (before capture, or without graphs)."""
@@ -284,6 +298,7 @@ class Decoder:
         each ([batch, length + new]). ``attention_mask`` marks left padding (1 = token, 0 = pad)."""
         mask = self._check(input_ids, max_new_tokens, attention_mask)
         self._follow_the_model()
+        self._reads_lengths = self._attention_reads_lengths()
         padded = mask is not None
         length = input_ids.shape[1]
         self.cache.reset()

@@ -185,9 +185,14 @@ def test_optimized_model_same_tokens(device, monkeypatch):
         residual_calls.append(1) if residual is not None else None) or decode_linear(*a, residual=residual))
     append = kv_cache.append_to_cache
     monkeypatch.setattr(kv_cache, "append_to_cache", lambda *a: appends.append(1) or append(*a))
+    import transformers.masking_utils as masking
+
+    masks, sdpa_mask = [], masking.sdpa_mask
+    monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: masks.append(1) or sdpa_mask(*a, **k))
     ids = _prompts(device=device)
     eager = {"cuda_graph": False}  # every step through Python, so that the calls are counted
     assert torch.equal(onepass.generate(model, ids, 6, **eager), onepass.generate(ref, ids, 6, **eager))
+    assert len(masks) == 1  # the prompt's: the decode steps read the lengths, and build no mask
     assert len(calls) == len(appends) == 2 * 5
     assert len(gated_calls) == len(residual_calls) == 2 * 6
     assert len(ropes) == 2  # the prompt's forward (the unoptimized model runs HF's rotary)
@@ -196,6 +201,7 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     ids = ids.masked_fill(mask == 0, PAD)
     assert torch.equal(onepass.generate(model, ids, 6, attention_mask=mask, **eager),
                        onepass.generate(ref, ids, 6, attention_mask=mask, **eager))
+    assert len(masks) == 1 + 6  # padded: the prompt's and every step's
     assert len(calls) == len(appends) == 2 * 5
     assert len(gated_calls) == len(residual_calls) == 2 * 6 * 2
     assert len(ropes) == 2 + 2 * 6  # padded prompts: every step's rope apart

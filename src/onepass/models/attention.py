@@ -8,10 +8,28 @@ model to them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch import Tensor
 
 from onepass import ops
+
+# True while onepass.Decoder runs a decode step in which every attention layer runs decode_attention over the
+# cache's lengths and reads no mask: the mask function then builds none (transformers builds one for a static
+# cache even at one query, several kernels a step)
+_MASKS_UNREAD = contextvars.ContextVar("onepass_masks_unread", default=False)
+
+
+@contextlib.contextmanager
+def masks_unread(unread: bool):
+    """Within: ``onepass_mask`` returns None if ``unread`` (the caller knows no layer reads a mask)."""
+    token = _MASKS_UNREAD.set(unread)
+    try:
+        yield
+    finally:
+        _MASKS_UNREAD.reset(token)
 
 
 def eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
@@ -82,11 +100,14 @@ def onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=Non
                   **kwargs):
     """SDPA's boolean masks, except where the onepass kernel needs none: as many queries as
     keys with no padding mask (plain causal, or a sliding window, which the kernel applies
-    itself). HF's own test for that skip is off while torch.compile traces (before torch
-    2.14), which would send every compiled step to SDPA with a materialised mask; this one
-    reads no tensor values, so it holds under compile too."""
+    itself), and a decode step under ``masks_unread``. HF's own test for that skip is off
+    while torch.compile traces (before torch 2.14), which would send every compiled step to
+    SDPA with a materialised mask; this one reads no tensor values, so it holds under compile
+    too."""
     from transformers.masking_utils import sdpa_mask
 
+    if _MASKS_UNREAD.get():
+        return None
     if q_length == kv_length:
         if attention_mask is None and allow_is_causal_skip and not args:
             return None
