@@ -55,6 +55,13 @@ def _rope_inputs(device, big):
             emb.cos().to(dtype), emb.sin().to(dtype))
 
 
+def _positions(device, big):
+    """Position ids (from a cache's middle) and a rotary embedding's frequencies (head dim 128 or 16)."""
+    (b, s, d) = (1, 4096, 128) if big else (2, 9, 16)
+    return (torch.arange(b * s, device=device).reshape(b, s) + 1000,
+            1.0 / 10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+
+
 def _logits(device, big):
     tokens, vocab, dtype = (8192, 128256, torch.bfloat16) if big else (6, 300, torch.float32)
     return torch.randn(tokens, vocab, device=device, dtype=dtype), torch.randint(0, vocab, (tokens,), device=device)
@@ -144,6 +151,7 @@ CHECKS = [
     Check("bias_gelu", "activation", _rows(1, 8192, 1), lambda m, x, b: m.bias_gelu(x, b)),
     Check("softmax", "softmax", _scores, lambda m, x: m.softmax(x, scale=0.125, causal=True)),
     Check("rope", "rope", _rope_inputs, lambda m, q, k, cos, sin: m.rope(q, k, cos, sin), n_grad=2),
+    Check("rope_tables", "rope", _positions, lambda m, pos, inv_freq: m.rope_tables(pos, inv_freq, 0.5), n_grad=0),
     Check("cross_entropy", "loss", _logits, lambda m, x, t: m.cross_entropy(x, t, label_smoothing=0.1), n_grad=1),
     Check("linear_cross_entropy", "loss", _lm_head, lambda m, h, w, t: m.linear_cross_entropy(h, w, t), n_grad=2),
     Check("lora_linear", "lora", _lora, lambda m, x, w, a, b: m.lora_linear(x, w, a, b, 2.0)),
