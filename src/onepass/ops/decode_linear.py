@@ -22,7 +22,8 @@ the loads are all there is; the gated form owns the same features of both weight
 applies the activation and product before its one store; a residual is added the same way.
 
 Narrow outputs over long inputs (a small model's down_proj: 1536 or 2048 features from
-8960 or 8192) give too few tiles to keep HBM busy: there the K loop is split in SPLIT_K
+8960 or 8192; launched as programmatic dependents, its o_proj and q/k/v too) give too few
+tiles to keep HBM busy: there the K loop is split in SPLIT_K
 programs per tile, each storing its fp32 sums; the tile's last split to finish (a counter
 per tile, zeroed again by that split) adds them up in split order, so the result does not
 depend on which finished first, and applies the bias and residual. Such launches with the
