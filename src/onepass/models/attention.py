@@ -106,7 +106,7 @@ def onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=Non
     too."""
     from transformers.masking_utils import sdpa_mask
 
-    if _MASKS_UNREAD.get():
+    if not torch.compiler.is_compiling() and _MASKS_UNREAD.get():  # (dynamo cannot trace a ContextVar)
         return None
     if q_length == kv_length:
         if attention_mask is None and allow_is_causal_skip and not args:
