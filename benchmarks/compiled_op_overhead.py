@@ -87,7 +87,7 @@ def rms_norm_chain():
     registered = torch.ops.onepass.norm_fwd
 
     def onepass_registered(x, w):
-        return registered(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)[0]
+        return registered(x, None, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype)[0]
 
     compiled_onepass = torch.compile(_chain(lambda x, w: ops.rms_norm(x, w, 1e-6)))
     rows = {

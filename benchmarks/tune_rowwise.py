@@ -39,8 +39,8 @@ def sweep_norm(copy):
     for warps in (4, 8, 16):
         norm.row_settings = lambda cols, values_per_thread=16, w_=warps: (4096, w_)
         for name, fn, passes in (
-            ("rms fwd", lambda: norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype), 2),
-            ("add_rms fwd", lambda: norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0, True, x.dtype), 4),
+            ("rms fwd", lambda: norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype), 2),
+            ("add_rms fwd", lambda: norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype), 4),
         ):
             ms, gbps = bench(fn, passes * size)
             print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
@@ -57,12 +57,12 @@ def sweep_norm_bwd(copy):
         h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         dy, dh = torch.randn_like(h), torch.randn_like(h)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0, True, h.dtype)
+        _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0.0, 0, True, h.dtype)
         block = original_settings(n)[0]
         for warps, per_sm in itertools.product((2, 4, 8) if n <= 2048 else (4, 8), (2, 3, 4, 6, 8)):
             norm.row_settings = lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_)
             norm.bwd_programs_per_sm = lambda block, p_=per_sm: p_
-            step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, None, None, rstd, 0.0, 0, True, h.dtype,
+            step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, 0.0, None, None, rstd, 0.0, 0, True, h.dtype,
                                      True, False)
             step()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
@@ -80,10 +80,10 @@ def sweep_norm_bwd_wide(copy):
         dy = torch.randn_like(h)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0, is_rms, h.dtype)
+        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0.0, 0, is_rms, h.dtype)
         for cap in (2048, 4096, 8192, 16384):
             norm.bwd_max_block = lambda n_cols, c_=cap: c_
-            step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, None if is_rms else h.dtype,
+            step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, 0.0, None if is_rms else h.dtype,
                                      None if is_rms else mean, rstd, 0.0, 0, is_rms, h.dtype, False, (True, True))
             step()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
@@ -105,8 +105,8 @@ def sweep_norm_bwd_one_wide_block(copy):
         dh_out = torch.randn_like(h) if residual else None
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0, is_rms, h.dtype)
-        step = functools.partial(norm._norm_bwd_launch, dy, dh_out, h, w, None if is_rms else h.dtype,
+        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0.0, 0, is_rms, h.dtype)
+        step = functools.partial(norm._norm_bwd_launch, dy, dh_out, h, w, 0.0, None if is_rms else h.dtype,
                                  None if is_rms else mean, rstd, 0.0, 0, is_rms, h.dtype, residual,
                                  False if residual else (True, True))
         blocks, one = (lambda *a: False), (lambda *a: True)
@@ -134,9 +134,9 @@ def sweep_layer_norm_bwd_wide(copy):
         h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(h)
         w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0, False, h.dtype)
-        step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, h.dtype, mean, rstd, 0.0, 0, False, h.dtype,
-                                 False, (True, True))
+        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0.0, 0, False, h.dtype)
+        step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, 0.0, h.dtype, mean, rstd, 0.0, 0, False,
+                                 h.dtype, False, (True, True))
         ref = step()[0].float()
         for cap, per_sm in itertools.product((4096, 8192), (1, 2, 4)):
             norm.bwd_max_block = lambda n_cols, c_=cap: c_

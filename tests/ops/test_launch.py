@@ -74,7 +74,7 @@ def capture(gm, _):
 
 
 def norm(x, w):
-    return torch.ops.onepass.norm_fwd(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)[0]
+    return torch.ops.onepass.norm_fwd(x, None, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype)[0]
 
 
 with FakeTensorMode():

@@ -240,9 +240,9 @@ def test_opcheck(device):
     res = torch.randn(3, 40, device=device, requires_grad=True)
     w = torch.randn(40, device=device, requires_grad=True)
     b = torch.randn(40, device=device, requires_grad=True)
-    for args in [(x, res, w, b, 1e-5, 0.0, 0, False, torch.float32),
-                 (x, None, w, None, 1e-6, 0.0, 0, True, torch.float32),
-                 (x, res, w, None, 1e-6, 0.2, 11, True, torch.float32)]:
+    for args in [(x, res, w, b, 1e-5, 0.0, 0.0, 0, False, torch.float32),
+                 (x, None, w, None, 1e-6, 1.0, 0.0, 0, True, torch.float32),
+                 (x, res, w, None, 1e-6, 0.0, 0.2, 11, True, torch.float32)]:
         torch.library.opcheck(_norm_fwd, args)
 
 
@@ -334,6 +334,37 @@ def test_norm_passing_input(kind, shape, device):
     _, passed = norm_passing_input(x, w, b, 1e-6, is_rms)
     (passed * 2).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+@pytest.mark.parametrize("call", ["rms", "add_rms", "passing"])
+def test_offset_scales_by_one_plus_weight(call, device):
+    """offset=1 (Gemma's norm, whose weight stores scale - 1): the output and every gradient as with
+    1 + weight for the weight, the offset added inside the kernels (rows of one block and longer)."""
+    for n in (40, 20000):
+        x, res = (torch.randn(3, n, device=device, requires_grad=True) for _ in range(2))
+        w = (0.1 * torch.randn(n, device=device)).requires_grad_(True)
+        if call == "rms":
+            outs = (ops.rms_norm(x, w, offset=1.0),)
+        elif call == "add_rms":
+            outs = ops.add_rms_norm(x, res, w, offset=1.0)
+        else:
+            outs = norm.norm_passing_input(x, w, None, 1e-6, True, 1.0)
+        grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, grads)
+        d = [t.detach().double().requires_grad_(True) for t in (x, res, w)]
+        if call == "add_rms":
+            refs = reference.add_rms_norm(d[0], d[1], d[2] + 1.0)
+        else:
+            refs = (reference.rms_norm(d[0], d[2] + 1.0),) + ((d[0],) if call == "passing" else ())
+        torch.autograd.backward(refs, [g.double() for g in grads])
+        for out, ref in zip(outs, refs):
+            assert_close(out, ref, torch.float32)
+        for name, t, ref in zip(("x", "residual", "weight"), (x, res, w), d):
+            assert (t.grad is None) == (ref.grad is None), name
+            if t.grad is not None:
+                assert_close(t.grad, ref.grad, torch.float32, f"d{name}", scale=4.0)
+    with pytest.raises(ValueError, match="offset"):
+        ops.rms_norm(x, w, offset=float("nan"))
 
 
 def test_norm_passing_input_compiled_adds_the_gradient_in_the_kernel(device):

@@ -152,7 +152,7 @@ def _store_h(h, h_ptr, row, h_row_stride, cols, mask):
 def _norm_fwd_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr,
     x_row_stride, res_row_stride, y_row_stride, h_row_stride,
-    n_cols, eps, dropout_p, seed,
+    n_cols, eps, w_offset, dropout_p, seed,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
@@ -182,7 +182,7 @@ def _norm_fwd_kernel(
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
         y = centred * rstd
         if HAS_WEIGHT:
-            y *= w.to(tl.float32)
+            y *= w.to(tl.float32) + w_offset
         if HAS_BIAS:
             y += b.to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -224,7 +224,7 @@ def _norm_fwd_kernel(
                 h = tl.load(x_ptr + row * x_row_stride + c, mask=m, other=0.0).to(tl.float32)
             y = (h - mean) * rstd
             if HAS_WEIGHT:
-                y *= tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+                y *= tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) + w_offset
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
             tl.store(y_ptr + row * y_row_stride + c, y.to(y_ptr.dtype.element_ty), mask=m)
@@ -235,7 +235,8 @@ def _norm_fwd_kernel(
 
 @triton.jit
 def _norm_bwd_block(dy, h, w, m, mean, rstd, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """dy, hat and g = dy * w for one loaded block of a row, in fp32 (zero outside the row)."""
+    """dy, hat and g = dy * w for one loaded block of a row (w with its offset added), in fp32 (zero
+    outside the row)."""
     dy = dy.to(tl.float32)
     h = h.to(tl.float32)
     hat = (h - mean) * rstd if not IS_RMS else h * rstd
@@ -262,7 +263,7 @@ def _norm_bwd_write(dh, dh_out_ptr, dres_ptr, dx_ptr, row, dh_out_row_stride, dr
 @triton.jit
 def _norm_bwd_sums_kernel(
     dy_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, sums_ptr, dy_row_stride, h_row_stride, n_rows, n_cols, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+    w_offset, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Each row's mean(g * hat) and mean(g), for a backward that splits its rows' columns."""
     pid = tl.program_id(0)
@@ -279,7 +280,8 @@ def _norm_bwd_sums_kernel(
             m = c < n_cols
             dy, hat, g = _norm_bwd_block(tl.load(dy_ptr + row * dy_row_stride + c, mask=m, other=0.0),
                                          tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0),
-                                         tl.load(w_ptr + c, mask=m, other=0.0) if HAS_WEIGHT else 0.0,
+                                         tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) + w_offset
+                                         if HAS_WEIGHT else 0.0,
                                          m, mean, rstd, IS_RMS, HAS_WEIGHT)
             s_hat_g += hat * g
             s_g += g
@@ -291,7 +293,7 @@ def _norm_bwd_sums_kernel(
 def _norm_bwd_kernel(
     dy_ptr, dh_out_ptr, h_ptr, w_ptr, mean_ptr, rstd_ptr, sums_ptr, dres_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
     dy_row_stride, dh_out_row_stride, h_row_stride, dres_row_stride, dx_row_stride,
-    n_rows, n_cols, rows_per_program, dropout_p, seed,
+    n_rows, n_cols, rows_per_program, w_offset, dropout_p, seed,
     IS_RMS: tl.constexpr, HAS_DH_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SUMS_GIVEN: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -304,7 +306,7 @@ def _norm_bwd_kernel(
     n_mine = tl.minimum(rows_per_program, n_rows - row_start)
     part = pid.to(tl.int64) * n_cols
     mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 0.0
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset if HAS_WEIGHT else 0.0
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Rows are software-pipelined by hand: the next row's loads are issued before this
@@ -359,7 +361,7 @@ def _norm_bwd_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 
-def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
+def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is_rms, out_dtype):
     n = x.shape[-1]
     x2 = as_rows(x)
     m = x2.shape[0]
@@ -377,7 +379,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, ou
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
         y2, h2, mean if mean is not None else x2, rstd,
         x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
-        n, eps, dropout_p, seed,
+        n, eps, offset, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block,
         PDL=dependent_launch(x2), num_warps=num_warps,
@@ -393,8 +395,8 @@ def _writes_dx(has_residual, dropout_p, x_dtype, h_dtype, leaves):
     return has_residual and (dropout_p > 0 or x_dtype != h_dtype or leaves)
 
 
-def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, seed, is_rms, x_dtype, has_residual,
-                     leaves):
+def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, dropout_p, seed, is_rms, x_dtype,
+                     has_residual, leaves):
     n = h.shape[-1]
     h2 = as_rows(h)
     m = h2.shape[0]
@@ -420,14 +422,14 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
             sums = torch.empty(m, 2, dtype=torch.float32, device=h.device)
             sum_programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(block)))
             launch(_norm_bwd_sums_kernel, (sum_programs,), dy2, h2, w_arg, mean_arg, rstd, sums, dy2.stride(0),
-                   h2.stride(0), m, n, cdiv(m, sum_programs), IS_RMS=is_rms, HAS_WEIGHT=weight is not None,
+                   h2.stride(0), m, n, cdiv(m, sum_programs), offset, IS_RMS=is_rms, HAS_WEIGHT=weight is not None,
                    BLOCK_N=block, num_warps=num_warps)
         dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dy2)  # (placeholder: an input)
         launch(_norm_bwd_kernel, (programs, col_blocks),
             dy2, dh_out2, h2, w_arg, mean_arg, rstd, sums if sums is not None else rstd, dres2, dx2,
             dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
             dy2.stride(0), dh_out2.stride(0), h2.stride(0), dres2.stride(0), dx2.stride(0),
-            m, n, cdiv(m, programs), dropout_p, seed,
+            m, n, cdiv(m, programs), offset, dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block,
             SUMS_GIVEN=col_blocks > 1, PREFETCH=not one_wide, num_warps=num_warps,
@@ -446,27 +448,28 @@ def _norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, s
 @triton_op("onepass::norm_fwd", mutates_args=())
 def _norm_fwd(
     x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-    eps: float, dropout_p: float, seed: int, is_rms: bool, out_dtype: torch.dtype,
+    eps: float, offset: float, dropout_p: float, seed: int, is_rms: bool, out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, h, mean, rstd); h is empty without a residual, mean is empty for RMSNorm."""
-    return registered_outputs(_norm_fwd_launch(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype), x)
+    return registered_outputs(_norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is_rms,
+                                               out_dtype), x)
 
 
 @triton_op("onepass::norm_bwd", mutates_args=())
 def _norm_bwd(
-    dy: Tensor, dh_out: Optional[Tensor], h: Tensor, weight: Optional[Tensor], bias_dtype: Optional[torch.dtype],
-    mean: Tensor, rstd: Tensor, dropout_p: float, seed: int, is_rms: bool, x_dtype: torch.dtype, has_residual: bool,
-    leaves: bool,
+    dy: Tensor, dh_out: Optional[Tensor], h: Tensor, weight: Optional[Tensor], offset: float,
+    bias_dtype: Optional[torch.dtype], mean: Tensor, rstd: Tensor, dropout_p: float, seed: int, is_rms: bool,
+    x_dtype: torch.dtype, has_residual: bool, leaves: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (d_h, dx, dw, db): d_h is the residual's gradient (x's without a residual);
     dx is empty unless dropout or a dtype change makes it differ from d_h; dw and db are
     empty where there is no weight or bias."""
-    return registered_outputs(_norm_bwd_launch(dy, dh_out, h, weight, bias_dtype, mean, rstd, dropout_p, seed,
-                                               is_rms, x_dtype, has_residual, leaves), h)
+    return registered_outputs(_norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, dropout_p,
+                                               seed, is_rms, x_dtype, has_residual, leaves), h)
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype = inputs
+    x, residual, weight, bias, eps, offset, dropout_p, seed, is_rms, out_dtype = inputs
     y, h, mean, rstd = output
     ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
     # Outputs with no incoming gradient (mean, rstd, an unused h) stay None rather than
@@ -475,7 +478,7 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual = residual is not None
     ctx.leaves = residual is not None and all(t.is_leaf and t.requires_grad for t in (x, residual))
-    ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype = dropout_p, seed, is_rms, x.dtype
+    ctx.offset, ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype = offset, dropout_p, seed, is_rms, x.dtype
 
 
 def _backward(ctx, dy, dh_out, *_statistics):
@@ -484,14 +487,14 @@ def _backward(ctx, dy, dh_out, *_statistics):
     if dy is None:  # only h was used downstream
         dy = torch.zeros_like(h)
     d_h, dx, dw, db = route(_norm_bwd, _norm_bwd_launch, h)(
-        dy, dh_out if ctx.has_residual else None, h, weight, ctx.bias_dtype, mean, rstd,
+        dy, dh_out if ctx.has_residual else None, h, weight, ctx.offset, ctx.bias_dtype, mean, rstd,
         ctx.dropout_p, ctx.seed, ctx.is_rms, ctx.x_dtype, ctx.has_residual, ctx.leaves)
     dw = dw if weight is not None else None
     db = db if ctx.bias_dtype is not None else None
     if not ctx.has_residual:
-        return d_h, None, dw, db, None, None, None, None, None
+        return d_h, None, dw, db, None, None, None, None, None, None
     writes_dx = _writes_dx(True, ctx.dropout_p, ctx.x_dtype, h.dtype, ctx.leaves)
-    return dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None
+    return dx if writes_dx else d_h, d_h, dw, db, None, None, None, None, None, None
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -501,10 +504,12 @@ _norm_fwd_eager = eager_autograd(_norm_fwd_launch, _setup_context, _backward, re
 # ---------------------------------------------------------------- public functions
 
 
-def _check(x, residual, weight, bias, dropout_p, eps, out_dtype=None):
+def _check(x, residual, weight, bias, dropout_p, eps, out_dtype=None, offset=0.0):
     check_float("x", x)
     if not (is_number(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not is_number(offset):
+        raise ValueError(f"offset must be a finite number, got {offset!r}")
     check_dtype_option("out_dtype", out_dtype)
     if residual is not None:
         check_float("residual", residual)
@@ -522,33 +527,34 @@ def _seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item()) if seed is None else int(seed)
 
 
-def _norm(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype):
-    _check(x, residual, weight, bias, dropout_p, eps, out_dtype)
+def _norm(x, residual, weight, bias, eps, dropout_p, seed, is_rms, out_dtype, offset=0.0):
+    _check(x, residual, weight, bias, dropout_p, eps, out_dtype, offset)
     out_dtype = out_dtype or x.dtype
     if not use_triton(x):
         if residual is None:
             if is_rms:
-                return reference.rms_norm(x, weight, eps, out_dtype), None
+                return reference.rms_norm(x, weight, eps, out_dtype, offset), None
             return reference.layer_norm(x, weight, bias, eps, out_dtype), None
         if is_rms:
-            return reference.add_rms_norm(x, residual, weight, eps, dropout_p, out_dtype=out_dtype)
+            return reference.add_rms_norm(x, residual, weight, eps, dropout_p, out_dtype=out_dtype, offset=offset)
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, out_dtype=out_dtype)
     seed = _seed(seed) if dropout_p else 0
     y, h = route(_norm_fwd, _norm_fwd_launch, x, residual, weight, bias, autograd=_norm_fwd_eager)(
-        x, residual, weight, bias, float(eps), float(dropout_p), seed, is_rms, out_dtype)[:2]
+        x, residual, weight, bias, float(eps), float(offset), float(dropout_p), seed, is_rms, out_dtype)[:2]
     return y, (h if residual is not None else None)
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None
-             ) -> Tensor:
-    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32.
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
+             offset: float = 0.0) -> Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``, computed in fp32.
 
     Like ``F.rms_norm(x, (x.shape[-1],), weight, eps)``; ``out_dtype`` fuses the cast of
     the result (default: x's dtype). The default ``eps`` differs: 1e-6 here (Llama's and most
     models' value), where ``F.rms_norm``'s ``eps=None`` means the input dtype's machine epsilon
-    (bf16: 0.0078): pass ``eps`` to match a call of PyTorch's without one.
+    (bf16: 0.0078): pass ``eps`` to match a call of PyTorch's without one. ``offset=1`` is
+    Gemma's norm, whose weight stores scale - 1 (added in fp32 inside the kernel).
     """
-    return _norm(x, None, weight, None, eps, 0.0, None, True, out_dtype)[0]
+    return _norm(x, None, weight, None, eps, 0.0, None, True, out_dtype, offset)[0]
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
@@ -558,17 +564,17 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6,
-                 dropout_p: float = 0.0, *, seed: int | None = None, out_dtype: torch.dtype | None = None
-                 ) -> tuple[Tensor, Tensor]:
+                 dropout_p: float = 0.0, *, seed: int | None = None, out_dtype: torch.dtype | None = None,
+                 offset: float = 0.0) -> tuple[Tensor, Tensor]:
     """The pre-norm residual step in one pass: ``h = residual + dropout(x)``; returns ``(rms_norm(h), h)``.
 
     ``h`` keeps the residual's dtype (an fp32 stream may carry bf16 branches), the normed
     output takes ``out_dtype`` (default x's). Dropout draws its mask from ``seed`` with a
     counter-based RNG; the backward replays it, so no mask is stored, and one seed always
     gives one mask. ``seed=None`` draws one from torch's CPU generator. On CPU tensors
-    (no interpreter) the reference runs, with torch's own dropout.
+    (no interpreter) the reference runs, with torch's own dropout. ``offset``: as in rms_norm.
     """
-    return _norm(x, residual, weight, None, eps, dropout_p, seed, True, out_dtype)
+    return _norm(x, residual, weight, None, eps, dropout_p, seed, True, out_dtype, offset)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -584,36 +590,39 @@ class _NormPassingInput(torch.autograd.Function):
     autograd summing the two gradients of x in a separate kernel."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms):
-        y, _, mean, rstd = route(_norm_fwd, _norm_fwd_launch, x)(x, None, weight, bias, eps, 0.0, 0, is_rms, x.dtype)
+    def forward(ctx, x, weight, bias, eps, is_rms, offset):
+        y, _, mean, rstd = route(_norm_fwd, _norm_fwd_launch, x)(x, None, weight, bias, eps, offset, 0.0, 0, is_rms,
+                                                                 x.dtype)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.set_materialize_grads(False)
-        ctx.bias_dtype, ctx.is_rms = (bias.dtype if bias is not None else None), is_rms
+        ctx.bias_dtype, ctx.is_rms, ctx.offset = (bias.dtype if bias is not None else None), is_rms, offset
         return y, x.view_as(x)
 
     @staticmethod
     def backward(ctx, dy, dx_out):
         x, weight, mean, rstd = ctx.saved_tensors
         if dy is None:  # only the passed-on x was used downstream
-            return dx_out, None, None, None, None
+            return dx_out, None, None, None, None, None
         first_order_only("norm")
-        dx, _, dw, db = route(_norm_bwd, _norm_bwd_launch, dy)(dy, dx_out, x, weight, ctx.bias_dtype, mean, rstd, 0.0,
-                                                                0, ctx.is_rms, x.dtype, False, False)
-        return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None
+        dx, _, dw, db = route(_norm_bwd, _norm_bwd_launch, dy)(dy, dx_out, x, weight, ctx.offset, ctx.bias_dtype, mean,
+                                                                rstd, 0.0, 0, ctx.is_rms, x.dtype, False, False)
+        return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None, None
 
 
-def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, is_rms: bool
-                       ) -> tuple[Tensor, Tensor]:
+def norm_passing_input(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, is_rms: bool,
+                       offset: float = 0.0) -> tuple[Tensor, Tensor]:
     """``(rms_norm(x, weight, eps), x)`` (``layer_norm`` with ``is_rms=False``) for a tensor
     that feeds a norm and also goes on (a pre-norm decoder layer's input, which is the
     residual of the layer's next add): use the returned x downstream, and the gradient it
     brings back is added inside the norm's backward kernel (a read of it) rather than by
     autograd's separate add (reads of two tensors and a write; under torch.compile too, whose
     graph otherwise keeps that add apart from the norm backward's kernel, one add a layer).
-    Where no gradient flows this is ``(norm(x), x)``."""
+    Where no gradient flows this is ``(norm(x), x)``. ``offset``: RMSNorm's, as in rms_norm."""
     if is_rms and bias is not None:
         raise ValueError("RMSNorm takes no bias")
+    if not is_rms and offset:
+        raise ValueError("offset is RMSNorm's (Gemma's weight stores scale - 1); LayerNorm takes none")
     if not use_triton(x) or type(x) is not Tensor or not torch.is_grad_enabled() or not x.requires_grad:
-        return _norm(x, None, weight, bias, eps, 0.0, None, is_rms, None)[0], x
-    _check(x, None, weight, bias, 0.0, eps)
-    return _NormPassingInput.apply(x, weight, bias, float(eps), is_rms)
+        return _norm(x, None, weight, bias, eps, 0.0, None, is_rms, None, offset)[0], x
+    _check(x, None, weight, bias, 0.0, eps, offset=offset)
+    return _NormPassingInput.apply(x, weight, bias, float(eps), is_rms, float(offset))

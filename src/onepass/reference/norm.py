@@ -6,12 +6,12 @@ import torch.nn.functional as F
 from onepass.reference._dtype import compute_dtype
 
 
-def rms_norm(x, weight=None, eps=1e-6, out_dtype=None):
-    # read x once for the mean of squares, again to normalise; write y (HF LlamaRMSNorm)
+def rms_norm(x, weight=None, eps=1e-6, out_dtype=None, offset=0.0):
+    # read x once for the mean of squares, again to normalise; write y (HF LlamaRMSNorm; offset 1: Gemma's)
     h = x.to(compute_dtype(x))
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.to(y.dtype)
+        y = y * (weight.to(y.dtype) + offset)
     return y.to(out_dtype or x.dtype)
 
 
@@ -35,10 +35,10 @@ def _residual_stream(x, residual, dropout_p, keep_mask):
     return (residual.to(compute_dtype(residual)) + x.to(compute_dtype(residual))).to(residual.dtype)
 
 
-def add_rms_norm(x, residual, weight=None, eps=1e-6, dropout_p=0.0, keep_mask=None, out_dtype=None):
+def add_rms_norm(x, residual, weight=None, eps=1e-6, dropout_p=0.0, keep_mask=None, out_dtype=None, offset=0.0):
     # read x, residual; write h; read h twice; write y: 5 tensor passes unfused
     h = _residual_stream(x, residual, dropout_p, keep_mask)
-    return rms_norm(h, weight, eps, out_dtype or x.dtype), h
+    return rms_norm(h, weight, eps, out_dtype or x.dtype, offset), h
 
 
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, dropout_p=0.0, keep_mask=None, out_dtype=None):
