@@ -26,7 +26,7 @@ def main():
             kv_bytes = decode_kv_bytes(batch, cache_len)
             layers = decode_graph_layers(batch, cache_len)
             q, caches, seqlens = decode_inputs(batch, cache_len, layers)
-            default = default_num_splits(q.device, batch, DECODE_KV_HEADS, cache_len)
+            default = default_num_splits(q.device, batch, DECODE_KV_HEADS, cache_len, q.shape[-1])
             for splits in sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, default}):
                 def step():
                     for k, v in caches:

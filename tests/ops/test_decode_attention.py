@@ -120,18 +120,20 @@ def test_matches_attention_on_the_cache(device):
 def test_default_splits_fill_at_most_two_programs_an_sm(monkeypatch):
     """On a 132-SM GPU: batch 1 of 8 kv heads gets 33 splits (16 for a 4k cache: 256 positions a
     split at least), of 2 kv heads splits of 64 positions (9 for 576 cached); batch 8 gets 4 (5
-    would start a third, mostly idle wave), large batches 1."""
+    would start a third, mostly idle wave), large batches 1. A split's fewest positions fall as
+    the head dim grows (the values a split reads)."""
     import importlib
 
     decode = importlib.import_module("onepass.ops.decode_attention")
     monkeypatch.setattr(decode, "num_programs_for", lambda device: 132)
     cuda = torch.device("cuda")
-    assert [decode.default_num_splits(cuda, 1, 8, n) for n in (4096, 32768, 131072)] == [16, 33, 33]
-    assert [decode.default_num_splits(cuda, 8, 8, n) for n in (4096, 131072)] == [4, 4]
-    assert decode.default_num_splits(cuda, 64, 8, 131072) == 1
-    assert decode.default_num_splits(cuda, 1, 8, 100) == 1
-    assert [decode.default_num_splits(cuda, 1, 2, n) for n in (576, 4096)] == [9, 64]
-    assert decode.default_num_splits(cuda, 1, 4, 576) == 5  # 128 positions a split
+    assert [decode.default_num_splits(cuda, 1, 8, n, 64) for n in (4096, 32768, 131072)] == [16, 33, 33]
+    assert [decode.default_num_splits(cuda, 8, 8, n, 128) for n in (4096, 131072)] == [4, 4]
+    assert decode.default_num_splits(cuda, 64, 8, 131072, 128) == 1
+    assert decode.default_num_splits(cuda, 1, 8, 100, 128) == 1
+    assert [decode.default_num_splits(cuda, 1, 2, n, 128) for n in (576, 4096)] == [9, 64]
+    assert decode.default_num_splits(cuda, 1, 4, 576, 128) == 5  # 128 positions a split
+    assert decode.default_num_splits(cuda, 1, 4, 576, 256) == 9  # 64 at head dim 256 (Gemma 2)
 
 
 def test_torch_compile_fullgraph_and_opcheck(device):

@@ -70,10 +70,11 @@ from onepass.ops.dispatch import (
 DECODE_CONFIGS = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
 FP32_CONFIG = (32, 4, 2)  # fp32 inputs (tests on a GPU): FMA dots, shared memory in bounds at D = 256
 INTERPRETER_CONFIG = (16, 1, 1)
-# Fewest cache positions a split takes: SPLIT_TOKENS_PER_ROW per (sequence, kv head) of the batch, within
-# SPLIT_TOKENS_RANGE: shorter splits cost more in merging than they add in parallelism, except where few kv heads
-# leave most SMs idle (H100 decode step, 512 and 4096 cached: results/h100-80gb-hbm3/decode_split_tokens.log)
-SPLIT_TOKENS_PER_ROW, SPLIT_TOKENS_RANGE = 32, (64, 256)
+# Fewest cache positions a split takes: SPLIT_VALUES_PER_ROW / head dim per (sequence, kv head) of the batch (32
+# at head dim 128), within SPLIT_TOKENS_RANGE: shorter splits cost more in merging than they add in parallelism,
+# except where few kv heads leave most SMs idle (H100 decode step, 512 and 4096 cached:
+# results/h100-80gb-hbm3/decode_split_tokens.log; head dim 256: decode_split_head_dim.log)
+SPLIT_VALUES_PER_ROW, SPLIT_TOKENS_RANGE = 4096, (64, 256)
 MAX_SPLITS = 64
 MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
 MERGE_WARPS = 4
@@ -161,12 +162,14 @@ def _decode_merge_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 
-def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_len: int) -> int:
+def default_num_splits(device: torch.device, batch: int, kv_heads: int, cache_len: int, head_dim: int) -> int:
     """Splits so that batch * kv_heads * splits is at most twice the SM count: one more
     would start a third, mostly idle wave (benchmarks/tune_decode.py checks it against the
-    best split count)."""
+    best split count), each of at least the positions SPLIT_VALUES_PER_ROW gives (a position's
+    cost grows with the head dim)."""
     want = max(1, 2 * num_programs_for(device) // max(1, batch * kv_heads))
-    fewest = min(max(SPLIT_TOKENS_PER_ROW * batch * kv_heads, SPLIT_TOKENS_RANGE[0]), SPLIT_TOKENS_RANGE[1])
+    per_row = SPLIT_VALUES_PER_ROW // max(1, head_dim)
+    fewest = min(max(per_row * batch * kv_heads, SPLIT_TOKENS_RANGE[0]), SPLIT_TOKENS_RANGE[1])
     return max(1, min(want, cdiv(cache_len, fewest), MAX_SPLITS))
 
 
@@ -183,7 +186,7 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
         return out
     group = heads // kv_heads
     visible = min(cache_len, window + n_tokens - 1) if window else cache_len  # keys one sequence's tokens see
-    splits = num_splits or default_num_splits(q.device, batch, kv_heads, visible)
+    splits = num_splits or default_num_splits(q.device, batch, kv_heads, visible, head_dim)
     if interpreting():
         block_n, num_warps, num_stages = INTERPRETER_CONFIG
     elif q.dtype == torch.float32:
