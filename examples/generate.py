@@ -12,7 +12,7 @@ from onepass.models.configs import build
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-name, prompt, new = ("llama-1b", 128, 128) if device == "cuda" else ("llama-tiny", 8, 8)
+name, prompt, new = ("llama-1b", 128, 128) if device == "cuda" else ("llama-tiny", 8, 4)
 
 torch.manual_seed(0)
 model = onepass.optimize(build(name, device=device, dtype=dtype))  # random weights: the tokens mean nothing

@@ -163,7 +163,7 @@ def test_decoder_reused_across_calls():
 def test_optimized_model_same_tokens(device, monkeypatch):
     """Kernels through the interpreter on the CPU (fp32): the optimized model decodes the same
     tokens, its decode steps through decode_attention over the static cache (unpadded
-    prompts: 2 layers x 5 steps, each appending k and v in one launch that also applies RoPE,
+    prompts: 2 layers x 3 steps, each appending k and v in one launch that also applies RoPE,
     so rope itself runs for the prompts only) or, with padded prompts, through SDPA with the
     mask; every forward's MLP (prompt of 14 rows included) through decode_gated_linear, its
     down projection adding the residual stream in the same launch."""
@@ -191,20 +191,21 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: masks.append(1) or sdpa_mask(*a, **k))
     ids = _prompts(device=device)
     eager = {"cuda_graph": False}  # every step through Python, so that the calls are counted
-    assert torch.equal(onepass.generate(model, ids, 6, **eager), onepass.generate(ref, ids, 6, **eager))
+    new = 4  # tokens: the first from the prompt's forward, then new - 1 decode steps
+    assert torch.equal(onepass.generate(model, ids, new, **eager), onepass.generate(ref, ids, new, **eager))
     assert len(masks) == 1  # the prompt's: the decode steps read the lengths, and build no mask
-    assert len(calls) == len(appends) == 2 * 5
-    assert len(gated_calls) == len(residual_calls) == 2 * 6
+    assert len(calls) == len(appends) == 2 * (new - 1)
+    assert len(gated_calls) == len(residual_calls) == 2 * new
     assert len(ropes) == 2  # the prompt's forward (the unoptimized model runs HF's rotary)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     ids = ids.masked_fill(mask == 0, PAD)
-    assert torch.equal(onepass.generate(model, ids, 6, attention_mask=mask, **eager),
-                       onepass.generate(ref, ids, 6, attention_mask=mask, **eager))
-    assert len(masks) == 1 + 6  # padded: the prompt's and every step's
-    assert len(calls) == len(appends) == 2 * 5
-    assert len(gated_calls) == len(residual_calls) == 2 * 6 * 2
-    assert len(ropes) == 2 + 2 * 6  # padded prompts: every step's rope apart
+    assert torch.equal(onepass.generate(model, ids, new, attention_mask=mask, **eager),
+                       onepass.generate(ref, ids, new, attention_mask=mask, **eager))
+    assert len(masks) == 1 + new  # padded: the prompt's and every step's
+    assert len(calls) == len(appends) == 2 * (new - 1)
+    assert len(gated_calls) == len(residual_calls) == 2 * new * 2
+    assert len(ropes) == 2 + 2 * new  # padded prompts: every step's rope apart
 
 
 def test_hf_generate_of_an_optimized_model_infers_the_padding_mask(device):

@@ -120,8 +120,9 @@ def _decode_linear_kernel(
     w_rows = feats.to(tl.int64)[:, None] * n_in  # weights are contiguous [N, K]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = split * (tl.cdiv(tl.cdiv(n_in, SPLIT_K), BLOCK_K) * BLOCK_K)
-    k_hi = tl.minimum(k_lo + tl.cdiv(tl.cdiv(n_in, SPLIT_K), BLOCK_K) * BLOCK_K, n_in)
+    chunk = tl.cdiv(tl.cdiv(n_in, SPLIT_K), BLOCK_K) * BLOCK_K  # of K, a split's
+    k_lo = split * chunk
+    k_hi = tl.minimum(k_lo + chunk, n_in)
     for k in range(k_lo, k_hi, BLOCK_K):
         k_ok = k + ks < k_hi
         x = tl.load(x_rows + (k + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
