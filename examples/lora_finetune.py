@@ -20,7 +20,7 @@ onepass.optimize(model)  # every LoRA linear becomes one lora_linear node; the r
 print(f"  lora: {onepass.optimize_report(model)['lora']}")
 
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-ids = torch.randint(0, model.config.vocab_size, (2, 32), device=device)
+ids = torch.randint(0, model.config.vocab_size, (2, 32 if device == "cuda" else 16), device=device)
 losses = []
 for _ in range(5):  # the same batch five times: its loss goes down
     loss = model(input_ids=ids, labels=ids).loss
