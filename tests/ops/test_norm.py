@@ -365,6 +365,8 @@ def test_offset_scales_by_one_plus_weight(call, device):
                 assert_close(t.grad, ref.grad, torch.float32, f"d{name}", scale=4.0)
     with pytest.raises(ValueError, match="offset"):
         ops.rms_norm(x, w, offset=float("nan"))
+    with pytest.raises(ValueError, match="needs one"):  # no weight to add it to: not a silent no-op
+        ops.rms_norm(x, None, offset=1.0)
 
 
 def test_norm_passing_input_compiled_adds_the_gradient_in_the_kernel(device):

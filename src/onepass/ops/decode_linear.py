@@ -135,7 +135,8 @@ def _decode_linear_kernel(
     launch_next_kernel(PDL)  # not before the loop: see launch_next_kernel
     if SPLIT_K > 1:  # each split stores its sums; the tile's last split to finish adds them up, in split order
         cell = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        slot = part_ptr + (pid * SPLIT_K + split) * (2 * BLOCK_M * BLOCK_N)
+        slot_len: tl.constexpr = (1 + GATED) * BLOCK_M * BLOCK_N  # a split's sums: one tile, or the gated pair
+        slot = part_ptr + (pid * SPLIT_K + split) * slot_len
         tl.store(slot + cell, acc, mask=row_ok[:, None])
         if GATED:
             tl.store(slot + BLOCK_M * BLOCK_N + cell, acc_up, mask=row_ok[:, None])
@@ -143,14 +144,14 @@ def _decode_linear_kernel(
         if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") < SPLIT_K - 1:
             return
         tl.store(count_ptr + pid, 0)  # zero again for the next launch: every split has counted
-        first = part_ptr + pid * SPLIT_K * (2 * BLOCK_M * BLOCK_N)
+        first = part_ptr + pid * SPLIT_K * slot_len
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):  # (from L2: the other splits' stores are not in this SM's L1)
-            acc += tl.load(first + s * (2 * BLOCK_M * BLOCK_N) + cell, mask=row_ok[:, None], other=0.0,
+            acc += tl.load(first + s * slot_len + cell, mask=row_ok[:, None], other=0.0,
                            cache_modifier=".cg")
             if GATED:
-                acc_up += tl.load(first + s * (2 * BLOCK_M * BLOCK_N) + BLOCK_M * BLOCK_N + cell,
+                acc_up += tl.load(first + s * slot_len + BLOCK_M * BLOCK_N + cell,
                                   mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         acc += tl.load(b_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
@@ -222,7 +223,8 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     tiles = [cdiv(n, block_n) for n in ns]
     n_tiles = tiles[0] if gated else sum(tiles)
     split_k = 1 if tracing(x2) else max(1, min(split_k, cdiv(n_in, block_k)))
-    parts, counts = ((torch.empty(n_tiles * split_k * 2 * block_m * block_n, dtype=torch.float32, device=x.device),
+    slot_len = (1 + gated) * block_m * block_n
+    parts, counts = ((torch.empty(n_tiles * split_k * slot_len, dtype=torch.float32, device=x.device),
                       _counters(x2, ws[0], n_tiles)) if split_k > 1 else (x2, x2))
     launch(_decode_linear_kernel, (n_tiles * split_k,),
            x2, *ws, *bs, *ys, r2, parts, counts, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1],

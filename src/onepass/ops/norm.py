@@ -510,6 +510,8 @@ def _check(x, residual, weight, bias, dropout_p, eps, out_dtype=None, offset=0.0
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if not is_number(offset):
         raise ValueError(f"offset must be a finite number, got {offset!r}")
+    if offset and weight is None:
+        raise ValueError(f"offset ({offset}) is added to the weight: it needs one, got weight=None")
     check_dtype_option("out_dtype", out_dtype)
     if residual is not None:
         check_float("residual", residual)
