@@ -39,7 +39,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples .ci
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto
-	$(MAKE) test-wheel test-triton-newest
+	# side by side: each is mostly one process (pip, the interpreter), and on CI's 2 cores together they take
+	# about the longer one's time; each one's output comes whole when it ends
+	$(MAKE) -j2 --output-sync=target test-wheel test-triton-newest
 
 # what `pip install onepass-kernels` gets: the wheel and sdist that `python -m build` makes (the wheel
 # built from the sdist), the wheel installed in a fresh environment beside torch and Triton alone (no

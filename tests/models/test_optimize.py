@@ -140,7 +140,7 @@ def test_training_forward_never_syncs_on_packed_sequence_check(family, device, m
 
 
 def test_training_curve_matches(device):
-    """20 AdamW steps on the shipped corpus (bytes as tokens): the loss curves agree within
+    """12 AdamW steps on the shipped corpus (bytes as tokens): the loss curves agree within
     1e-3 absolute at every step (fp32; rounding differences compound through the updates),
     and the model learns (the last loss is well below the first).
 
@@ -149,7 +149,7 @@ def test_training_curve_matches(device):
     """
     data = torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
     g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, len(data) - 9, (20, 2), generator=g)
+    starts = torch.randint(0, len(data) - 9, (12, 2), generator=g)
     switches = {"rope": False} if device == "cpu" else {}
     curves = []
     for optimized in (False, True):
