@@ -116,3 +116,21 @@ def test_decode_floor_reads_an_untied_embedding_only_for_the_batch_rows():
     everything = sum(p.numel() * p.element_size() for p in untied.parameters())
     assert step_bytes(untied, 8) == everything - (vocab - 8) * hidden * 2
     assert step_bytes(tied, 8) == sum(p.numel() * p.element_size() for p in tied.parameters())
+
+
+def test_decode_floor_reads_only_the_top_k_experts():
+    """Of a mixture of experts' routed weights a step reads at least its top-k experts' (k of E
+    per layer): the floor counts that share of them; the router and the rest whole."""
+    import torch
+
+    from onepass.bench.generate import step_bytes
+    from onepass.models.configs import build
+
+    model = build("qwen3-moe-8l", "meta", torch.bfloat16)
+    config = model.config
+    routed = sum(p.numel() * 2 for n, p in model.named_parameters() if ".experts." in n)
+    assert 0 < routed < sum(p.numel() * 2 for p in model.parameters())
+    untied = (config.vocab_size - 1) * config.hidden_size * 2  # the input embedding's unread rows
+    everything = sum(p.numel() * 2 for p in model.parameters())
+    expected = everything - routed + routed * config.num_experts_per_tok // config.num_experts - untied
+    assert step_bytes(model, 1) == expected

@@ -60,10 +60,24 @@ def _median_ms(call, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
+def _routed_share(model: torch.nn.Module) -> float:
+    """Of a mixture of experts' routed weights, the share a step must read at the fewest: its
+    top-k experts of a layer's E (every token of the batch routed alike); 1 without experts."""
+    config = model.config.get_text_config()
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, k, None)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return min(top_k, experts) / experts if experts and top_k else 1.0
+
+
 def step_bytes(model: torch.nn.Module, batch: int) -> int:
     """The weight bytes a decode step must read: every parameter once, but of an input embedding
-    that is not also the LM head (untied) only the ``batch`` rows the step looks up."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    that is not also the LM head (untied) only the ``batch`` rows the step looks up, and of the
+    routed experts (parameters under an ``experts`` module) only the top-k's share: a floor, exact
+    at batch 1 (a larger batch's tokens may route to more experts)."""
+    share = _routed_share(model)
+    weights = round(sum(p.numel() * p.element_size() * (share if ".experts." in f".{n}" else 1.0)
+                        for n, p in model.named_parameters()))
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     if head is None or head.weight is not embedding:
@@ -162,7 +176,8 @@ def to_markdown(summary: dict) -> str:
     lines = [f"# generate: {summary['model']}, prompt {summary['prompt']} + {summary['new']} new tokens, greedy, bf16",
              "", (f"{env['gpu']}; torch {env['torch']}, triton {env['triton']}, {env['date']}; copy bandwidth "
                   f"{env['copy_GBps']:.0f} GB/s (measured in this run)."), "", f"Command: `{env['command']}`", "",
-             ("Floor of a decode step: every weight read once plus the KV cache so far (mean over the steps) at "
+             ("Floor of a decode step: every weight read once (of routed experts, the top-k's share) plus the KV "
+              "cache so far (mean over the steps) at "
               "the copy bandwidth: " + ", ".join(f"batch {b}: {ms:.3f} ms" for b, ms in summary["floors_ms"].items())
               + ". A step's time: (call with all new tokens - call with one) / (new - 1)."), "",
              "| batch | variant | first call s | ms a call | ms a step | tokens/s | % of floor | its ms / onepass's |",
