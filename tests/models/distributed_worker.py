@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+from fast_interpreter import patch_language_once_per_launch  # noqa: E402
 from tiny_models import build  # noqa: E402
 
 import onepass  # noqa: E402
@@ -258,6 +259,7 @@ SCENARIOS = {
 
 
 def main(out: str, names: list[str]) -> None:
+    patch_language_once_per_launch()
     dist.init_process_group("gloo")
     torch.manual_seed(1234)
     ids = torch.randint(0, 256, (BATCH, SEQ))  # the same on every rank (same seed)
