@@ -137,15 +137,17 @@ def test_low_memory_half_precision_lse_and_pred(dtype, device, small_blocks):
 
 
 def test_chunk_size_from_the_accumulator():
-    # 512 x accumulator bytes, evened out over the chunks, multiples of 64
+    # 2048 tokens, evened out over the chunks, multiples of 64
     assert chunk_tokens(8192, torch.float32, 4096) == 2048
-    assert chunk_tokens(8192, torch.bfloat16, 4096) == 1024
+    assert chunk_tokens(8192, torch.bfloat16, 4096) == 2048
     assert chunk_tokens(3000, torch.float32, 4096) == 1536  # 2 chunks of 1500, rounded up to 64
     assert chunk_tokens(100, torch.float32, 4096) == 100  # one chunk
     assert chunk_tokens(100, torch.float32, 4096, chunk_size=7) == 7
-    # a 16-bit accumulator: the logits buffer at most a third of the weight (H / 3), not under 512 tokens
-    assert chunk_tokens(8192, torch.bfloat16, 2304) == 768
-    assert chunk_tokens(8192, torch.bfloat16, 768) == 512
+    # a 16-bit accumulator: the logits buffer at most the weight's size (H tokens), not under 512 tokens
+    assert chunk_tokens(8192, torch.bfloat16, 2304) == 2048
+    assert chunk_tokens(8192, torch.bfloat16, 1536) == 1408  # 6 chunks of 1365.3, rounded up to 64
+    assert chunk_tokens(8192, torch.bfloat16, 768) == 768
+    assert chunk_tokens(8192, torch.bfloat16, 384) == 512
     assert chunk_tokens(8192, torch.float32, 768) == 2048
 
 

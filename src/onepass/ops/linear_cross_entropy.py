@@ -16,14 +16,13 @@ So forward + backward cost the three matmuls (6 T H V flops) and one read + one 
 of each chunk's logits; with ``reduction="none"`` the per-token upstream gradient is
 only known in backward, which then recomputes the logits (a fourth matmul).
 
-Chunk size: each chunk's dW GEMM reads and writes the whole [V, H] accumulator for 2 C V
-H flops, i.e. C / (accumulator element size) flop per byte. Below the GPU's ridge (flop per
-byte of HBM, ~200-300 on Hopper) that traffic does not hide under the math; C = 512 x the
-element size (2048 tokens for float32, 1024 for a 16-bit accumulator) does (benchmarks/tune_loss.py
-lce, results/h100-80gb-hbm3/tune_lce.log). With a 16-bit accumulator C is also at most H / 3
-(not under 512), so the [C, V] buffer stays under a third of the weight: memory first, the point
-of a fused loss. Larger chunks are faster where H is small (more tokens a dW read-modify-write, fuller
-GEMMs; results/h100-80gb-hbm3/lce_chunks.log): ``chunk_size=2048`` trades the memory back.
+Chunk size: each chunk's dW GEMM reads and writes the whole [V, H] accumulator, 4 V H bytes
+(16-bit) for 2 C V H flops, and each GEMM's output must cover the SMs with cuBLAS's tiles (dx's is
+[C, H]). At C = 2048 tokens the three GEMMs of a chunk together run as fast as the three full
+matmuls of torch.compile's unfused loss; at 640 (hidden 2048) the dW read-modify-write alone made the
+op 1.2x slower (profiles: results/h100-80gb-hbm3/lce_chunk_rule.log). With a 16-bit accumulator the
+chunk is also at most H tokens (not under 512), so the [C, V] buffer is never larger than the weight:
+a fused loss exists for its memory.
 
 Memory above the inputs and the gradients themselves: the [C, V] logits buffer (C V s
 bytes). By default dW is accumulated in the weight's dtype, as Liger does, at the cost of T / C
@@ -71,15 +70,10 @@ from onepass.ops.linear_cross_entropy_low import low_memory_loss
 
 MEMORY_MODES = ("default", "low")
 
-# Tunables: the dW GEMM's arithmetic intensity in flop per byte of accumulator traffic
-# (sets the chunk: 512 x accumulator element size tokens), and the chunk rounding.
-WGRAD_FLOP_PER_BYTE = 512
+# Tokens per chunk (module docstring), rounded to a multiple of CHUNK_MULTIPLE; with a 16-bit
+# accumulator at most H tokens and at least MIN_CHUNK.
+CHUNK = 2048
 CHUNK_MULTIPLE = 64
-# With a 16-bit accumulator the [C, V] logits buffer is kept to a third of the weight (C <= H / 3,
-# at least MIN_CHUNK tokens), so the peak stays near the weight's gradient itself where H is small
-# (results/h100-80gb-hbm3/tune_lce.log). A float32 accumulator is already twice the weight: its
-# chunk keeps the dW GEMM's intensity.
-BUFFER_SHARE_OF_WEIGHT = 3
 MIN_CHUNK = 512
 
 
@@ -90,14 +84,14 @@ def check_accum_dtype(accum_dtype: torch.dtype | None, weight: Tensor, whose: st
 
 
 def chunk_tokens(n_tokens: int, acc_dtype: torch.dtype, n_hidden: int, chunk_size: int | None = None) -> int:
-    """Tokens per chunk: ``chunk_size`` if given, else the smallest chunk that keeps the
-    weight-gradient GEMM compute-bound (with a 16-bit accumulator at most a third of the
-    weight's size of logits), evened out over the chunks so the last is not tiny."""
+    """Tokens per chunk: ``chunk_size`` if given, else ``CHUNK`` (with a 16-bit accumulator at most
+    the hidden size: a logits buffer no larger than the weight), evened out over the chunks so the
+    last is not tiny."""
     if chunk_size:
         return max(1, min(chunk_size, n_tokens))
-    target = WGRAD_FLOP_PER_BYTE * torch.finfo(acc_dtype).bits // 8
+    target = CHUNK
     if acc_dtype != torch.float32:
-        target = min(target, max(MIN_CHUNK, n_hidden // BUFFER_SHARE_OF_WEIGHT // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
+        target = min(target, max(MIN_CHUNK, n_hidden // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
     n_chunks = max(1, cdiv(n_tokens, target))
     even = cdiv(cdiv(n_tokens, n_chunks), CHUNK_MULTIPLE) * CHUNK_MULTIPLE
     return max(1, min(even, n_tokens))
