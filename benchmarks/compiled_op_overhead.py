@@ -22,6 +22,7 @@ Results: benchmarks/results/h200/compiled_op_overhead.log.
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import sys
@@ -61,15 +62,16 @@ def host_us_a_call(fn, x, w, repeats=30) -> float:
 
 
 def onepass_frames_a_call(fn, *args, calls=10) -> float:
-    """Python frames whose code lives in the onepass package, run per call of ``fn`` (after a warm-up)."""
+    """Python frames whose code lives in the onepass package, run per call of ``fn`` (after a warm-up);
+    the functions they ran are printed when there are any."""
     fn(*args)
     torch.cuda.synchronize()
-    count = 0
+    frames = collections.Counter()
 
     def profile(frame, event, arg):
-        nonlocal count
-        if event == "call" and frame.f_code.co_filename.startswith(ONEPASS_DIR):
-            count += 1
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(ONEPASS_DIR):
+            frames[f"{os.path.relpath(code.co_filename, ONEPASS_DIR)}:{code.co_firstlineno} {code.co_name}"] += 1
 
     sys.setprofile(profile)
     try:
@@ -78,7 +80,9 @@ def onepass_frames_a_call(fn, *args, calls=10) -> float:
     finally:
         sys.setprofile(None)
     torch.cuda.synchronize()
-    return count / calls
+    for where, count in frames.most_common(8):
+        print(f"    onepass frame a call: {count / calls:5.1f} x {where}", flush=True)
+    return sum(frames.values()) / calls
 
 
 def rms_norm_chain():

@@ -9,7 +9,7 @@ registers and spills, checked against PyTorch, beside Liger in the same run
 lce: at the LM heads of issue 33 (8192 tokens x hidden x vocab: Qwen2-7B's, Gemma-2-2B's, Llama-3's),
 each piece of a chunk (the logits GEMM, the cross-entropy kernel, dx, and dW with its accumulator
 choices), then the whole op per (chunk, accum_dtype) with its peak memory, beside the three full matmuls.
-lce-chunks: the whole op per chunk (bf16 accumulator) at hidden 2304 and 4096, in long runs, beside torch.compile.
+lce-chunks: the whole op per chunk (bf16 accumulator) at hidden 2048 to 4096, in long runs, beside torch.compile.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ ce = importlib.import_module("onepass.ops.cross_entropy")
 dispatch = importlib.import_module("onepass.ops.dispatch")
 TOKENS, VOCAB = 8192, 128256  # ce
 LCE_HEADS = ((8192, 4096, 151936), (8192, 2304, 256000), (8192, 4096, 128256))
+# lce-chunks: hidden sizes 2048 to 4096 (the default chunk's rule is in tokens, so its cost shows where H is small)
+LCE_CHUNK_HEADS = ((8192, 2048, 32000), (8192, 2048, 128256), (8192, 2304, 256000), (8192, 3584, 32000),
+                   (8192, 4096, 128256))
 
 
 def bench(fn):
@@ -136,7 +139,7 @@ def time_lce_pieces(matmul_tflops, tokens, hidden, vocab):
               f"({ms / ms3:.3f}x the three matmuls) peak above inputs {peak:.2f} GiB", flush=True)
 
 
-def time_lce_chunks(tokens, hidden, vocab, chunks=(768, 1024, 1536, 2048)):
+def time_lce_chunks(tokens, hidden, vocab, chunks=(640, 1024, 2048, 3072)):
     """The whole op per chunk with the default (bf16) accumulator, long runs (a ~50 ms step varies
     by ~8% over do_bench's default 100 ms), beside torch.compile of the plain loss."""
     dev, bf = "cuda", torch.bfloat16
@@ -161,7 +164,7 @@ def main():
         for head in LCE_HEADS:
             time_lce_pieces(ceilings.matmul_tflops, *head)
     if "lce-chunks" in which:
-        for head in ((8192, 2304, 256000), (8192, 2304, 128256), (8192, 4096, 151936)):
+        for head in LCE_CHUNK_HEADS:
             time_lce_chunks(*head)
 
 
