@@ -245,7 +245,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     hidden [*, H], weight [V, H], bias [V] (one dtype), target [*]; the options and the
     returns are those of :func:`onepass.ops.cross_entropy` (the logits are computed in
     hidden's dtype, as F.linear does). ``chunk_size`` overrides the tokens per chunk
-    (default: chosen from the accumulator, see the module docstring); ``accum_dtype`` is
+    (default: 2048, at most H with a 16-bit accumulator; see the module docstring); ``accum_dtype`` is
     the dtype dW is accumulated in across chunks: the weight's (None, the default, as Liger
     does: T / C roundings of the sum to 16 bits) or float32 (one rounding, for twice the
     weight's memory).
