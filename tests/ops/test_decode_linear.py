@@ -34,7 +34,7 @@ def _check_linear(x, weights, biases, dtype, residual=None):
 # Interpreter tiles: 16 features x 64 inputs. Feature counts below, at and past a tile, inputs
 # past one K block, 1 row to MAX_ROWS.
 @pytest.mark.parametrize("rows, n_in, features", [
-    ((1,), 64, (48, 16, 16)), ((2, 3), 100, (33, 7)), ((32,), 130, (64,)), ((1, 1), 16, (1, 5, 17)),
+    ((1,), 64, (48, 16, 16)), ((2, 3), 100, (33, 7)), ((64,), 130, (64,)), ((1, 1), 16, (1, 5, 17)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])  # bf16: the reference in the
 def test_matches_f_linear(rows, n_in, features, dtype, device):                     # interpreter (its tl.dot fails)

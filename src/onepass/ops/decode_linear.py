@@ -69,7 +69,9 @@ from onepass.ops.dispatch import (
     wait_for_previous_kernel,
 )
 
-MAX_ROWS = 32  # the M side of one program's tl.dot; more rows run cuBLAS, which won at 64 (CHANGELOG.md)
+# the M side of one program's tl.dot; more rows run cuBLAS. Alone, the gated pair lost to cuBLAS at 64 rows, but a
+# whole decode step at batch 48-64 is 15-18% faster with these launches (decode_max_rows.log; CHANGELOG.md)
+MAX_ROWS = 64
 MAX_WEIGHTS = 3
 # BLOCK_N: the widest of 64/32/16 that still gives every 2 SMs a program (by SM count); BLOCK_K: 16 KB of weight
 # a stage (numbers in CHANGELOG.md; against cuBLAS: `onepass bench ops --suite decode_linear`). The gated pair:
