@@ -208,6 +208,23 @@ def test_optimized_model_same_tokens(device, monkeypatch):
     assert len(ropes) == 2 + 2 * new  # padded prompts: every step's rope apart
 
 
+@pytest.mark.gpu
+def test_optimized_model_same_tokens_at_batch_48(monkeypatch):
+    """48 sequences (fp32, CUDA graphs): each step's projections through decode_linear's largest
+    tile (33 to MAX_ROWS = 64 rows), the same tokens as unoptimized."""
+    ref = tiny.build("llama").cuda().eval()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    rows, decode_gated = [], projections.decode_gated
+    monkeypatch.setattr(projections, "decode_gated", lambda x, *a: rows.append(x.numel() // x.shape[-1])
+                        or decode_gated(x, *a))
+    ids = _prompts(batch=48, device="cuda")
+    assert torch.equal(onepass.generate(model, ids, 6), onepass.generate(ref, ids, 6))
+    assert 48 in rows
+
+
 def test_hf_generate_of_an_optimized_model_infers_the_padding_mask(device):
     """HF's generate builds the attention mask from pad_token_id only for a forward whose
     signature names attention_mask: the optimized model's did not, so its padded prompts were
