@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -44,6 +46,18 @@ def test_matches_reference_gqa(layout, style, dtype, device):
     k = torch.randn(_shape(layout, b, hk, s, d), dtype=dtype, device=device)
     cos, sin = _hf_tables(b, s, d, device, style=style)
     _check(q, k, cos.to(dtype), sin.to(dtype), dtype, layout=layout, style=style)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_per_batch_tables_in_token_tiles(layout, device, monkeypatch):
+    """Per-batch tables over more tokens than a tile: tiles of tokens, each over every head block
+    in turn, the last tile partial (on a GPU from 1025 tokens; here tiles of 4 over 14)."""
+    monkeypatch.setattr(sys.modules["onepass.ops.rope"], "TOKEN_TILE", 4)
+    b, hq, hk, s, d = 2, 6, 2, 7, 24
+    q = torch.randn(_shape(layout, b, hq, s, d), device=device)
+    k = torch.randn(_shape(layout, b, hk, s, d), device=device)
+    cos, sin = _hf_tables(b, s, d, device)
+    _check(q, k, cos, sin, torch.float32, layout=layout)
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])

@@ -230,8 +230,10 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     q_blocks = cdiv(hq, block_h)
     n_blocks = q_blocks + cdiv(hk, block_h)
     # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
-    # table stays in L2 anyway, and tokens in order read q and k in longer runs
-    tile = TOKEN_TILE if cos_batch_stride else 0
+    # table stays in L2 anyway, and tokens in order read q and k in longer runs. At most one
+    # tile of tokens is that order already, without a tile's spare programs (thousands for a
+    # decode step's few tokens)
+    tile = TOKEN_TILE if cos_batch_stride and b * s > TOKEN_TILE else 0
     launch(_rope_kernel, (cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks,),
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
         s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2],
