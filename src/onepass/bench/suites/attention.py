@@ -9,8 +9,10 @@ Also Llama-3.2-1B's training attention: B4 S2048, 32 q / 8 kv heads of 64, causa
 (grouped-query: SDPA with enable_gqa), the shape ``onepass bench train`` runs.
 
 Decode: one new token, 32 q heads / 8 kv heads, caches of 4k, 32k, 128k positions (all
-valid), batch 1 and 8, against SDPA (enable_gqa) and the HF-style eager loop. Bytes: one
-read of the K and V caches, so "% copy" is the fraction of the copy bandwidth reached.
+valid), batch 1 and 8, against SDPA (enable_gqa) and the HF-style eager loop; and a ragged
+batch (8 caches of 16k positions, valid lengths 1 to 16k), SDPA with the padding masked.
+Bytes: one read of the K and V caches' valid positions, so "% copy" is the fraction of the
+copy bandwidth reached.
 Each decode shape is timed twice: called from Python ("fwd", host launch cost included),
 and as a generation loop runs it ("fwd, CUDA graph"): one graph replaying the decode
 attention of enough layers, each with its own cache, that their caches together exceed
@@ -32,6 +34,7 @@ SEQ_LENS = (1024, 4096, 16384)
 EAGER_MAX_SEQ = 1024  # the eager version writes B*H*S^2 fp32 scores (and more for backward)
 DECODE_BATCHES, DECODE_CACHE_LENS, DECODE_Q_HEADS, DECODE_KV_HEADS = (1, 8), (4096, 32768, 131072), 32, 8
 DECODE_GRAPH_BYTES = 256 * 2**20  # the caches of one graph-replayed decode step, at least
+DECODE_RAGGED = (8, 16384)  # batch, cache: lengths evenly spaced from 1 to the cache (issue 32's ragged batch)
 
 
 LLAMA_1B = {"batch": 4, "seq_len": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64}  # grouped-query, causal
@@ -87,34 +90,42 @@ def _make_prefill(seq_len: int, causal: bool, mode: str, batch: int | None = Non
     return make
 
 
-def decode_kv_bytes(batch: int, cache_len: int) -> int:
-    """One layer's K and V caches, in bytes."""
-    return 2 * batch * DECODE_KV_HEADS * cache_len * HEAD_DIM * DTYPE.itemsize
+def decode_lengths(batch: int, cache_len: int, ragged: bool = False) -> torch.Tensor:
+    """Valid lengths: the whole cache, or (ragged) evenly spaced from 1 to it."""
+    lengths = torch.linspace(1, cache_len, batch).round() if ragged else torch.full((batch,), cache_len)
+    return lengths.to(torch.int32)
 
 
-def decode_graph_layers(batch: int, cache_len: int) -> int:
-    """Layers a graph-replayed decode step runs: enough that their caches exceed DECODE_GRAPH_BYTES."""
-    return cdiv(DECODE_GRAPH_BYTES, decode_kv_bytes(batch, cache_len))
+def decode_kv_bytes(batch: int, cache_len: int, ragged: bool = False) -> int:
+    """One layer's K and V caches (ragged: their valid positions), in bytes."""
+    return 2 * DECODE_KV_HEADS * int(decode_lengths(batch, cache_len, ragged).sum()) * HEAD_DIM * DTYPE.itemsize
 
 
-def decode_inputs(batch: int, cache_len: int, layers: int):
-    """(q, [(k_cache, v_cache)] a layer, cache_seqlens) of a decode step with full caches."""
+def decode_graph_layers(batch: int, cache_len: int, ragged: bool = False) -> int:
+    """Layers a graph-replayed decode step runs: enough that the caches they read exceed DECODE_GRAPH_BYTES."""
+    return cdiv(DECODE_GRAPH_BYTES, decode_kv_bytes(batch, cache_len, ragged))
+
+
+def decode_inputs(batch: int, cache_len: int, layers: int, ragged: bool = False):
+    """(q, [(k_cache, v_cache)] a layer, cache_seqlens) of a decode step."""
     q = torch.randn(batch, DECODE_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
     caches = [[torch.randn(batch, DECODE_KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE)
                for _ in range(2)] for _ in range(layers)]
-    return q, caches, torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    return q, caches, decode_lengths(batch, cache_len, ragged).cuda()
 
 
-def _make_decode(batch: int, cache_len: int, layers: int = 1, graph: bool = False):
+def _make_decode(batch: int, cache_len: int, layers: int = 1, graph: bool = False, ragged: bool = False):
     def make():
-        q, caches, seqlens = decode_inputs(batch, cache_len, layers)
+        q, caches, seqlens = decode_inputs(batch, cache_len, layers, ragged)
+        # SDPA reads the whole cache; a ragged batch's padding masked out
+        mask = (torch.arange(cache_len, device="cuda") < seqlens[:, None])[:, None, None] if ragged else None
 
         def each_layer(fn, *args, **kwargs):
             return lambda: [fn(q, k, v, *args, **kwargs) for k, v in caches]
 
         return variants(**{
             "onepass": each_layer(ops.decode_attention, seqlens),
-            "sdpa (enable_gqa)": each_layer(F.scaled_dot_product_attention, enable_gqa=True),
+            "sdpa (enable_gqa)": each_layer(F.scaled_dot_product_attention, attn_mask=mask, enable_gqa=True),
             "eager": None if graph else each_layer(reference.decode_attention, seqlens),
         })
 
@@ -149,4 +160,12 @@ def cases() -> list[Case]:
             out.append(Case("decode_attention", "fwd, CUDA graph", f"{shape}, {layers} layer(s)",
                             _make_decode(batch, cache_len, layers, graph=True), bytes=layers * kv_bytes,
                             flops=layers * flops, cuda_graph=True))
+    batch, cache_len = DECODE_RAGGED
+    kv_bytes, layers = decode_kv_bytes(batch, cache_len, True), decode_graph_layers(batch, cache_len, True)
+    shape = (f"B{batch} Hq{DECODE_Q_HEADS} Hk{DECODE_KV_HEADS} L{cache_len} D{HEAD_DIM} bf16 ragged (lengths 1 to "
+             f"{cache_len}), {layers} layer(s)")
+    out.append(Case("decode_attention", "fwd, CUDA graph", shape, _make_decode(batch, cache_len, layers, True, True),
+                    bytes=layers * kv_bytes,
+                    flops=layers * 4 * DECODE_Q_HEADS * int(decode_lengths(batch, cache_len, True).sum()) * HEAD_DIM,
+                    cuda_graph=True))
     return out
