@@ -31,6 +31,14 @@ def test_different_lengths_per_sequence(num_splits, device):
     _check(q, k, v, [70, 1, 17, 69], torch.float32, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_ragged_batch(window, device):
+    """A ragged batch: one long sequence (past a window), short ones, an empty one, several
+    splits and new tokens."""
+    q, k, v = _inputs(8, 4, 2, 2, 320, 16, torch.float32, device)
+    _check(q, k, v, [300, 1, 0, 2, 5, 1, 1, 17], torch.float32, num_splits=2, window=window)
+
+
 @pytest.mark.parametrize("kv_heads", [1, 4])
 def test_several_new_tokens_are_causal_among_themselves(kv_heads, device):
     q, k, v = _inputs(2, 4, kv_heads, 3, 50, 16, torch.float32, device)
