@@ -70,7 +70,8 @@ from onepass.ops.dispatch import (
 )
 
 # the M side of one program's tl.dot; more rows run cuBLAS. Alone, the gated pair lost to cuBLAS at 64 rows, but a
-# whole decode step at batch 48-64 is 15-18% faster with these launches (decode_max_rows.log; CHANGELOG.md)
+# whole decode step of 48-64 rows is faster with these launches (q/k/v in one, the residual added, PDL): the
+# numbers are in decode_max_rows.log and CHANGELOG.md
 MAX_ROWS = 64
 MAX_WEIGHTS = 3
 # BLOCK_N: the widest of 64/32/16 that still gives every 2 SMs a program (by SM count); BLOCK_K: 16 KB of weight

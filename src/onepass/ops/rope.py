@@ -232,7 +232,7 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
     # table stays in L2 anyway, and tokens in order read q and k in longer runs. At most one
     # tile of tokens is that order already, without a tile's spare programs (thousands for a
-    # decode step's few tokens)
+    # short prompt's few tokens)
     tile = TOKEN_TILE if cos_batch_stride and b * s > TOKEN_TILE else 0
     launch(_rope_kernel, (cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks,),
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,

@@ -162,10 +162,9 @@ def cases() -> list[Case]:
                             flops=layers * flops, cuda_graph=True))
     batch, cache_len = DECODE_RAGGED
     kv_bytes, layers = decode_kv_bytes(batch, cache_len, True), decode_graph_layers(batch, cache_len, True)
+    positions = int(decode_lengths(batch, cache_len, True).sum())
     shape = (f"B{batch} Hq{DECODE_Q_HEADS} Hk{DECODE_KV_HEADS} L{cache_len} D{HEAD_DIM} bf16 ragged (lengths 1 to "
              f"{cache_len}), {layers} layer(s)")
     out.append(Case("decode_attention", "fwd, CUDA graph", shape, _make_decode(batch, cache_len, layers, True, True),
-                    bytes=layers * kv_bytes,
-                    flops=layers * 4 * DECODE_Q_HEADS * int(decode_lengths(batch, cache_len, True).sum()) * HEAD_DIM,
-                    cuda_graph=True))
+                    bytes=layers * kv_bytes, flops=layers * 4 * DECODE_Q_HEADS * positions * HEAD_DIM, cuda_graph=True))
     return out
