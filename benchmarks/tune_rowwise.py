@@ -156,7 +156,7 @@ def sweep_layer_norm_fwd_wide(copy):
     for rows, n in itertools.product((4096, 16384), (8192, 12288, 16384)):
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        step = functools.partial(norm._norm_fwd_launch, x, None, w, b, 1e-5, 0.0, 0, False, x.dtype)
+        step = functools.partial(norm._norm_fwd_launch, x, None, w, b, 1e-5, 0.0, 0.0, 0, False, x.dtype)
         ref = step()[0].float()
         for block, warps in itertools.product((4096, 8192, 16384), (8, 16, 32)):
             if block > 2 * n:

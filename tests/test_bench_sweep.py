@@ -213,6 +213,16 @@ def test_the_report_without_matplotlib_is_markdown_only(tmp_path, monkeypatch):
     assert f"| {2 * 4096 * 5120 * 2 / 0.1 / 1e6:.0f} | " in bandwidth
 
 
+def test_a_cell_that_could_not_run_keeps_its_error_on_one_table_row(tmp_path):
+    data = json.loads(_synthetic(tmp_path).read_text())
+    error = "CompilationError: at 68:8:\n    d = tl.where(m, h - shift, 0.0)\n    acc |= d"
+    data["cells"].append(_cell("rms_norm", "fwd", {"rows": 1024, "hidden": 12288}, {},
+                               check={"passed": None, "error": error}))
+    unchecked = sweep.to_markdown(data).split("## Not checked")[1].split("##")[0].strip().splitlines()
+    assert unchecked[2:] == ["| rms_norm | fwd | 1024x12288 bf16 | CompilationError: at 68:8: "
+                             "d = tl.where(m, h - shift, 0.0) acc \\|= d |"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_the_report_draws_one_heatmap_per_op_and_mode(tmp_path):
     written = sweep.write_report(_synthetic(tmp_path))

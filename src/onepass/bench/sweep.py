@@ -293,6 +293,12 @@ def _groups(cells: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return groups
 
 
+def _table_text(text, limit: int = 120) -> str:
+    """``text`` as one Markdown table cell: a compiler error's lines joined and its pipes escaped, so
+    the row stays one row."""
+    return " ".join(str(text).split())[:limit].replace("|", "\\|")
+
+
 def to_markdown(data: dict) -> str:
     env, cells = data["env"], data["cells"]
     lines = [f"# onepass sweep ({env['grid']} grid) on {env['gpu']}", "",
@@ -328,11 +334,11 @@ def to_markdown(data: dict) -> str:
     if failed:
         lines += ["", "## Check failed (not timed)", "", "| op | mode | shape | relative errors |", "|---|---|---|---|"]
         lines += [f"| {c['op']} | {c['mode']} | {c['shape']} | "
-                  f"{c['check'].get('errors') or c['check'].get('error')} |" for c in failed]
+                  f"{_table_text(c['check'].get('errors') or c['check'].get('error'), 300)} |" for c in failed]
     unchecked = [c for c in cells if "check" in c and c["check"]["passed"] is None]
     if unchecked:
         lines += ["", "## Not checked", "", "| op | mode | shape | why |", "|---|---|---|---|"]
-        lines += [f"| {c['op']} | {c['mode']} | {c['shape']} | {c['check']['error'][:120]} |" for c in unchecked]
+        lines += [f"| {c['op']} | {c['mode']} | {c['shape']} | {_table_text(c['check']['error'])} |" for c in unchecked]
 
     lines += ["", f"## Below {BELOW}x of the best peer", "", "| op | mode | shape | time | onepass ms | best peer | "
               "its ms | ratio |", "|---|---|---|---|---|---|---|---|"]
@@ -356,7 +362,7 @@ def to_markdown(data: dict) -> str:
     skipped = [c for c in cells if "skipped" in c]
     if skipped:
         lines += ["", "## Skipped", "", "| op | mode | shape | why |", "|---|---|---|---|"]
-        lines += [f"| {c['op']} | {c['mode']} | {c['shape']} | {c['skipped']} |" for c in skipped]
+        lines += [f"| {c['op']} | {c['mode']} | {c['shape']} | {_table_text(c['skipped'])} |" for c in skipped]
     return "\n".join(lines) + "\n"
 
 

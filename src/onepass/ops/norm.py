@@ -24,8 +24,10 @@ Byte budget (M rows of N, element size s; the dropout mask is never stored):
                                                        (+ read dh_out with add_*: 4 MNs)
 
 The forward runs one row a program: programs looping over rows (with or without the next row's
-loads in flight) and one-pass LayerNorm statistics were no faster (benchmarks/tune_rope_layer_norm.py,
-results/h200/tune_rope_layer_norm.log; the earlier numbers are in CHANGELOG.md).
+loads in flight) and one-pass LayerNorm statistics of a row held whole were no faster
+(benchmarks/tune_rope_layer_norm.py, results/h200/tune_rope_layer_norm.log; the earlier numbers are in
+CHANGELOG.md). A row wider than one block takes its sums in one pass and is normalised in a second
+(results/h100-80gb-hbm3/norm_fwd_wide_and_pdl.log).
 
 The backward gives each program a contiguous run of rows and keeps its share of dw
 and db in fp32 registers; the per-program partials ([programs, N] fp32) are summed
@@ -128,14 +130,14 @@ def bwd_max_block(n_cols: int) -> int:
 
 @triton.jit
 def _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
-            HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """h = residual + dropout(x) for one block of a row, in fp32."""
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVICT: tl.constexpr):
+    """h = residual + dropout(x) for one block of a row, in fp32; EVICT: the loads' L2 eviction policy."""
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if HAS_DROPOUT:
         keep = tl.rand(seed, row * n_cols + cols) >= dropout_p
         x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
     if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     return x
 
 
@@ -170,7 +172,7 @@ def _norm_fwd_kernel(
         w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 1.0
         b = tl.load(b_ptr + cols, mask=mask, other=0.0) if HAS_BIAS else 0.0
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
-                    HAS_RESIDUAL, HAS_DROPOUT)
+                    HAS_RESIDUAL, HAS_DROPOUT, "")
         if HAS_RESIDUAL:
             h = _store_h(h, h_ptr, row, h_row_stride, cols, mask)
         if IS_RMS:
@@ -187,41 +189,40 @@ def _norm_fwd_kernel(
             y += b.to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # Rows longer than one block: pass 1 sums (and writes h), pass 2 sums squares
-        # about the mean (LayerNorm), pass 3 normalises. The re-reads hit L2.
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
+        # Rows longer than one block: pass 1 takes the sums (and writes h), pass 2 normalises, re-reading
+        # the row from L2 (pass 1's loads ask L2 to keep it, pass 2's to drop it). LayerNorm sums h - shift
+        # and its square, the shift being the first block's mean: mean and variance in one pass, without the
+        # cancellation of plain sums of h and h^2 on a row whose mean is large against its spread.
+        h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, cols < n_cols, n_cols, dropout_p,
+                    seed, HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
+        if HAS_RESIDUAL:
+            h = _store_h(h, h_ptr, row, h_row_stride, cols, cols < n_cols)
+        shift = 0.0 if IS_RMS else tl.sum(h, axis=0) / BLOCK_N  # the row is wider than one block
+        acc_d = h - shift
+        acc_sq = acc_d * acc_d
+        for start in range(BLOCK_N, n_cols, BLOCK_N):
             c = start + cols
             m = c < n_cols
             h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, c, m, n_cols, dropout_p, seed,
-                        HAS_RESIDUAL, HAS_DROPOUT)
+                        HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
             if HAS_RESIDUAL:
                 h = _store_h(h, h_ptr, row, h_row_stride, c, m)
-            acc += h if not IS_RMS else h * h
+            d = tl.where(m, h - shift, 0.0)
+            acc_d += d
+            acc_sq += d * d
         if IS_RMS:
             mean = 0.0
-            var = tl.sum(acc, axis=0) / n_cols
+            var = tl.sum(acc_sq, axis=0) / n_cols
         else:
-            mean = tl.sum(acc, axis=0) / n_cols
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                m = c < n_cols
-                if HAS_RESIDUAL:
-                    h = tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0).to(tl.float32)
-                else:
-                    h = tl.load(x_ptr + row * x_row_stride + c, mask=m, other=0.0).to(tl.float32)
-                d = tl.where(m, h - mean, 0.0)
-                acc += d * d
-            var = tl.sum(acc, axis=0) / n_cols
+            mean_d = tl.sum(acc_d, axis=0) / n_cols
+            mean = shift + mean_d
+            var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             m = c < n_cols
-            if HAS_RESIDUAL:
-                h = tl.load(h_ptr + row * h_row_stride + c, mask=m, other=0.0).to(tl.float32)
-            else:
-                h = tl.load(x_ptr + row * x_row_stride + c, mask=m, other=0.0).to(tl.float32)
+            src = h_ptr + row * h_row_stride if HAS_RESIDUAL else x_ptr + row * x_row_stride
+            h = tl.load(src + c, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             y = (h - mean) * rstd
             if HAS_WEIGHT:
                 y *= tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) + w_offset
@@ -382,7 +383,9 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
         n, eps, offset, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block,
-        PDL=dependent_launch(x2), num_warps=num_warps,
+        # As a dependent launch only while its rows fit one wave of programs (a decode step's): with many
+        # programs each one's wait costs more than the launch gap saved (15% at 65536 x 768 on an H100).
+        PDL=dependent_launch(x2) and m <= num_programs_for(x2.device), num_warps=num_warps,
     )
     return y, h, mean, rstd
 
