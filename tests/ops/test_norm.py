@@ -163,11 +163,12 @@ def test_weight_and_bias_gradients_in_their_own_dtypes(has_weight, device):
 
 
 @pytest.mark.parametrize("kind", ["add_rms", "add_layer"])
-def test_dropout_matches_reference_with_the_same_mask(kind, device):
+@pytest.mark.parametrize("shape", [(8, 200), (2, 20000)])  # 20000: the forward's first block and the rest apart
+def test_dropout_matches_reference_with_the_same_mask(kind, shape, device):
     p = 0.3
-    x = torch.randn(8, 200, device=device, requires_grad=True)
-    res = torch.randn(8, 200, device=device, requires_grad=True)
-    w = torch.randn(200, device=device, requires_grad=True)
+    x = torch.randn(shape, device=device, requires_grad=True)
+    res = torch.randn(shape, device=device, requires_grad=True)
+    w = torch.randn(shape[-1], device=device, requires_grad=True)
     fn = ops.add_rms_norm if kind == "add_rms" else ops.add_layer_norm
     y, h = fn(x, res, w, dropout_p=p, seed=1234)
     keep = (h - res).detach() != 0  # x is never 0, so a dropped element is exactly where h == residual
