@@ -294,8 +294,8 @@ def _groups(cells: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 
 def _table_text(text, limit: int = 120) -> str:
-    """``text`` as one Markdown table cell: a compiler error's lines joined and its pipes escaped, so
-    the row stays one row."""
+    """``text`` as one Markdown table cell, cut at ``limit`` characters (the JSON keeps it whole): a
+    compiler error's lines joined and its pipes escaped, so the row stays one row."""
     return " ".join(str(text).split())[:limit].replace("|", "\\|")
 
 
