@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 
@@ -24,15 +26,24 @@ def _check(q, k, v, lens, dtype, **kw):
     return out
 
 
+@pytest.fixture(params=["per sequence", "shared"])
+def chunks(request, monkeypatch):
+    """A sequence's keys in `splits` chunks, or the batch's chunks shared by positions (a ragged batch's long
+    sequences take more: the kernel's plan from caches of SHARED_MIN_CACHE positions, here from any)."""
+    if request.param == "shared":
+        monkeypatch.setattr(importlib.import_module("onepass.ops.decode_attention"), "SHARED_MIN_CACHE", 0)
+    return request.param
+
+
 # The interpreter's key tile is 16: lengths 1, 16 + 1, one short of the cache, the full cache.
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 7])
-def test_different_lengths_per_sequence(num_splits, device):
+def test_different_lengths_per_sequence(num_splits, chunks, device):
     q, k, v = _inputs(4, 8, 2, 1, 70, 32, torch.float32, device)
     _check(q, k, v, [70, 1, 17, 69], torch.float32, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("window", [None, 100])
-def test_ragged_batch(window, device):
+def test_ragged_batch(window, chunks, device):
     """A ragged batch: one long sequence (past a window), short ones, an empty one, several
     splits and new tokens."""
     q, k, v = _inputs(8, 4, 2, 2, 320, 16, torch.float32, device)
@@ -40,7 +51,7 @@ def test_ragged_batch(window, device):
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4])
-def test_several_new_tokens_are_causal_among_themselves(kv_heads, device):
+def test_several_new_tokens_are_causal_among_themselves(kv_heads, chunks, device):
     q, k, v = _inputs(2, 4, kv_heads, 3, 50, 16, torch.float32, device)
     _check(q, k, v, [50, 20], torch.float32, num_splits=3)
 
@@ -56,7 +67,7 @@ def test_float16_padded_head_dim(device):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_empty_sequence_and_length_past_the_cache(num_splits, device):
+def test_empty_sequence_and_length_past_the_cache(num_splits, chunks, device):
     """Length 0: zero output; a length past the cache is clamped to it (no read out of bounds);
     with one split (the output written by the split kernel, no merge) and with two."""
     q, k, v = _inputs(2, 2, 1, 1, 20, 16, torch.float32, device)
@@ -86,7 +97,7 @@ def _windowed_reference(q, k, v, lens, window, layout="bhsd", **kw):
 # range empty, and None takes the default split of the visible range.
 @pytest.mark.parametrize("window", [1, 6, 23, 200])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 7])
-def test_sliding_window(window, num_splits, device):
+def test_sliding_window(window, num_splits, chunks, device):
     q, k, v = _inputs(4, 8, 2, 1, 70, 32, torch.float32, device)
     lens = [70, 1, 17, 6]
     out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32, device=device), window=window,
@@ -95,7 +106,7 @@ def test_sliding_window(window, num_splits, device):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3])
-def test_sliding_window_several_tokens_bshd_softcap(n_tokens, device):
+def test_sliding_window_several_tokens_bshd_softcap(n_tokens, chunks, device):
     """Each new token has its own window (the first sees keys the last does not); softcap and a
     scale; the window ends inside a key tile and spans tiles."""
     q, k, v = _inputs(3, 4, 2, n_tokens, 64, 16, torch.float32, device, layout="bshd")
@@ -208,7 +219,7 @@ def test_gpu_bf16_real_sizes(batch, cache_len, n_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
-def test_gpu_bf16_head_dims(head_dim):
+def test_gpu_bf16_head_dims(head_dim, chunks):
     q, k, v = _inputs(4, 16, 4, 1, 5000, head_dim, torch.bfloat16, "cuda", layout="bshd")
     _check(q, k, v, [5000, 1, 4097, 300], torch.bfloat16, layout="bshd")
 

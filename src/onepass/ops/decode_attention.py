@@ -8,12 +8,20 @@ Math, per (batch b, q head h, new token t) with L = cache_seqlens[b] and Tq new 
 and, with a sliding window W, only keys j > L - Tq + t - W (``ops.attention``'s ``window``:
 the query and the W - 1 keys before it).
 
-Split: the visible cache positions [lo, L) (lo = max(0, L - Tq - W + 1) with a window, else
-0) are cut into ``splits`` chunks; program (split, b, kv
+Split: each sequence's visible cache positions [lo, L) (lo = max(0, L - Tq - W + 1) with a
+window, else 0) are cut into chunks, ``splits`` each; from caches of SHARED_MIN_CACHE positions
+the B * ``splits`` programs of a kv head are shared among the batch's sequences by their
+visible positions instead (a ragged batch's long sequences take more chunks than its short
+ones, at most SPREAD times ``splits``; equal lengths take ``splits`` each). Sequence b takes
+
+    c_b = ceil(V_b * (B * (splits - 1) + 1) / sum V)     (V: visible positions)
+
+chunks, which sum to at most B * splits; each program finds its sequence and chunk from the
+lengths on the GPU (a cumulative sum of c over the batch, no host sync). Program (chunk, kv
 head) runs the online softmax of ``onepass.ops.attention`` over its chunk for ALL q heads
 of the kv group and all Tq tokens at once (group * Tq rows, padded to 16, are the M side
 of tl.dot), so each K/V byte is read once per kv head, not once per q head. It writes a
-partial output and LSE per row and split (fp32); a second kernel merges the splits:
+partial output and LSE per row and chunk (fp32); a second kernel merges the chunks:
 
     o = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
 
@@ -77,26 +85,66 @@ INTERPRETER_CONFIG = (16, 1, 1)
 SPLIT_VALUES_PER_ROW, SPLIT_TOKENS_RANGE = 4096, (64, 256)
 MAX_SPLITS = 64
 MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
+# Chunks shared by positions where SHARED_MIN_CACHE positions are visible (the plan costs each launch about a us,
+# more than it saves below; a decode step of a short cache keeps equal splits), a sequence's at most SPREAD times
+# the even share (`splits`). H100, results/h100-80gb-hbm3/decode_attention_ragged.log
+SHARED_MIN_CACHE, SPREAD = 16384, 4
 MERGE_WARPS = 4
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
+def _chunks(seqlens_ptr, n_batch, n_tokens, cache_len, window, spread, n_slots, WINDOW: tl.constexpr,
+            BLOCK_B: tl.constexpr):
+    """Per sequence of the batch (a [BLOCK_B] vector each): its chunks c_b (see the module docstring; at most
+    n_slots), their cumulative sum, and its length (within the cache)."""
+    bs = tl.arange(0, BLOCK_B)
+    lengths = tl.minimum(tl.load(seqlens_ptr + bs, mask=bs < n_batch, other=0), cache_len)
+    visible = tl.maximum(lengths, 0).to(tl.int64)
+    if WINDOW:
+        visible = tl.minimum(visible, window + n_tokens - 1)
+    chunks = tl.minimum(tl.cdiv(visible * spread, tl.maximum(tl.sum(visible, 0), 1)), n_slots).to(tl.int32)
+    return chunks, tl.cumsum(chunks, 0), lengths
+
+
+@triton.jit
+def _at(values, bs, b):
+    """values[b] of a [BLOCK_B] vector."""
+    return tl.sum(tl.where(bs == b, values, 0), 0)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr, o_ptr,
     q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
-    o_stride_b, o_stride_h, o_stride_t, n_kv_heads, group, n_tokens, cache_len, n_splits, scale, softcap, window,
+    o_stride_b, o_stride_h, o_stride_t, n_batch, n_kv_heads, group, n_tokens, cache_len, spread, n_slots, scale,
+    softcap, window,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     launch_next_kernel(PDL)
-    pid = tl.program_id(0)  # a 1-D grid, splits fastest: batch * kv heads is not bound by grid axis 1's 65535
-    split = pid % n_splits
-    b = pid // n_splits // n_kv_heads
-    hk = pid // n_splits % n_kv_heads
-    seqlen = tl.minimum(tl.load(seqlens_ptr + b), cache_len)  # never read past the cache
+    pid = tl.program_id(0)  # a 1-D grid: batch * kv heads is not bound by grid axis 1's 65535
+    if SHARED:  # chunks shared by positions: program (i-th chunk of the batch's, kv head), kv heads fastest
+        hk = pid % n_kv_heads
+        i = pid // n_kv_heads
+        chunks, ends, lengths = _chunks(seqlens_ptr, n_batch, n_tokens, cache_len, window, spread, n_slots, WINDOW,
+                                        BLOCK_B)
+        bs = tl.arange(0, BLOCK_B)
+        b = tl.sum((ends <= i).to(tl.int32), 0)
+        if b >= n_batch:  # past the batch's chunks (a ragged batch's sum to fewer than B * splits)
+            return
+        n_chunks = _at(chunks, bs, b)
+        split = i - (_at(ends, bs, b) - n_chunks)
+        seqlen = _at(lengths, bs, b)
+    else:  # n_slots chunks a sequence: program (split, kv head, sequence), splits fastest
+        split = pid % n_slots
+        hk = pid // n_slots % n_kv_heads
+        b = pid // n_slots // n_kv_heads
+        n_chunks = n_slots
+        seqlen = tl.minimum(tl.load(seqlens_ptr + b), cache_len)  # never read past the cache
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
     # row r = (q head hk * group + r // Tq, new token r % Tq)
     rows = tl.arange(0, BLOCK_M)
@@ -111,7 +159,7 @@ def _decode_split_kernel(
     start = 0
     if WINDOW:  # the first token's window starts there: the splits share only the visible keys
         start = tl.maximum(seqlen - n_tokens - window + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(seqlen - start, n_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seqlen - start, n_chunks), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -128,16 +176,18 @@ def _decode_split_kernel(
         tl.store(o_ptr + b64 * o_stride_b + h64[:, None] * o_stride_h + t[:, None] * o_stride_t + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         return
-    part = (b64 * n_kv_heads * group + h64) * n_tokens + t  # row of [B * H * Tq, splits, D]
-    at = part * n_splits + split
+    part = (b64 * n_kv_heads * group + h64) * n_tokens + t  # row of [B * H * Tq, n_slots, D]
+    at = part * n_slots + split
     tl.store(o_part_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_part_ptr + at, lse, mask=row_ok)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    o_part_ptr, lse_part_ptr, o_ptr, n_heads, n_tokens, n_splits, o_stride_b, o_stride_h, o_stride_t,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    o_part_ptr, lse_part_ptr, o_ptr, seqlens_ptr, n_batch, n_heads, n_tokens, cache_len, spread, n_slots, window,
+    o_stride_b, o_stride_h, o_stride_t,
+    WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     launch_next_kernel(PDL)
@@ -147,12 +197,19 @@ def _decode_merge_kernel(
     t = part % n_tokens
     splits = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = splits < n_splits
-    lse = tl.load(lse_part_ptr + part * n_splits + splits, mask=s_ok, other=float("-inf"))
+    # every slot loaded; with shared chunks, those past the row's (never written) dropped after: the loads need
+    # not wait for the chunk count
+    in_slots = splits < n_slots
+    lse = tl.load(lse_part_ptr + part * n_slots + splits, mask=in_slots, other=float("-inf"))
+    o = tl.load(o_part_ptr + (part * n_slots + splits)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=in_slots[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if SHARED:
+        chunks, _, _ = _chunks(seqlens_ptr, n_batch, n_tokens, cache_len, window, spread, n_slots, WINDOW, BLOCK_B)
+        s_ok = splits < _at(chunks, tl.arange(0, BLOCK_B), b)
+        lse = tl.where(s_ok, lse, float("-inf"))
+        o = tl.where(s_ok[:, None], o, 0.0)
     m = tl.max(lse, 0)
-    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-    o = tl.load(o_part_ptr + (part * n_splits + splits)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # empty chunks weigh 0
     total = tl.sum(w, 0)
     o = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(o_ptr + b * o_stride_b + h * o_stride_h + t * o_stride_t + offs_d, o.to(o_ptr.dtype.element_ty),
@@ -196,23 +253,31 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     block_d = block_d_for(head_dim)
     rows = batch * heads * n_tokens
     direct = splits == 1
+    shared = not direct and visible >= SHARED_MIN_CACHE
+    n_slots = max(splits, min(batch * splits, SPREAD * splits, MAX_SPLITS)) if shared else splits  # a row's chunks
+    spread = batch * (splits - 1) + 1
     pdl = dependent_launch(qv)
-    o_part = ov if direct else torch.empty((rows, splits, head_dim), dtype=torch.float32, device=q.device)
-    lse_part = ov if direct else torch.empty((rows, splits), dtype=torch.float32, device=q.device)
+    o_part = ov if direct else torch.empty((rows, n_slots, head_dim), dtype=torch.float32, device=q.device)
+    lse_part = ov if direct else torch.empty((rows, n_slots), dtype=torch.float32, device=q.device)
+    block_b = next_power_of_2(batch)
     launch(_decode_split_kernel, (splits * batch * kv_heads,),
         qv, kv, vv, cache_seqlens, o_part, lse_part, ov,
         *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3], *ov.stride()[:3],
-        kv_heads, group, n_tokens, cache_len, splits, scale, softcap or 1.0, window or 1,
+        batch, kv_heads, group, n_tokens, cache_len, spread, n_slots, scale, softcap or 1.0, window or 1,
         WINDOW=bool(window), SOFTCAP=bool(softcap), HEAD_DIM=head_dim,
         BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
-        BLOCK_N=block_n, BLOCK_D=block_d, LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
-        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, DIRECT=direct, PDL=pdl,
+        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_B=block_b,
+        LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
+        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, SHARED=shared, DIRECT=direct,
+        PDL=pdl,
     )
     if direct:
         return out
     launch(_decode_merge_kernel, (rows,),
-        o_part, lse_part, ov, heads, n_tokens, splits, *ov.stride()[:3],
-        HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, PDL=pdl, num_warps=MERGE_WARPS,
+        o_part, lse_part, ov, cache_seqlens, batch, heads, n_tokens, cache_len, spread, n_slots, window or 1,
+        *ov.stride()[:3],
+        WINDOW=bool(window), HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(n_slots), BLOCK_D=block_d, BLOCK_B=block_b,
+        SHARED=shared, PDL=pdl, num_warps=MERGE_WARPS,
     )
     return out
 
