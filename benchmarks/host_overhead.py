@@ -52,14 +52,14 @@ class _Plain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w):
-        y, h, mean, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0, True, x.dtype)
+        y, h, mean, rstd = norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype)
         ctx.save_for_backward(x, w, mean, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w, mean, rstd = ctx.saved_tensors
-        dx, _, dw, _ = norm._norm_bwd_launch(dy, None, x, w, None, mean, rstd, 0.0, 0, True, x.dtype, False, False)
+        dx, _, dw, _ = norm._norm_bwd_launch(dy, None, x, w, 0.0, None, mean, rstd, 0.0, 0, True, x.dtype, False, False)
         return dx, dw
 
 
@@ -69,13 +69,13 @@ def main():
     dy = torch.randn_like(x)
     xs, ws = x.detach()[:64], w.detach()
     dys = dy[:64]
-    _, _, mean, rstd = norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype)
+    _, _, mean, rstd = norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0.0, 0, True, xs.dtype)
 
-    _, _, big_mean, big_rstd = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True, x.dtype)
+    _, _, big_mean, big_rstd = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0.0, 0, True, x.dtype)
 
     def manual():
-        y, _, m, r = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True, x.dtype)
-        norm._norm_bwd_launch(dy, None, x.detach(), ws, None, m, r, 0.0, 0, True, x.dtype, False, False)
+        y, _, m, r = norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0.0, 0, True, x.dtype)
+        norm._norm_bwd_launch(dy, None, x.detach(), ws, 0.0, None, m, r, 0.0, 0, True, x.dtype, False, False)
 
     def in_thread(fn):
         import threading
@@ -91,26 +91,26 @@ def main():
         return run
 
     y = torch.empty_like(xs)
-    kernel_args = (xs, xs, ws, xs, y, y, mean, rstd, N, N, N, N, N, 1e-6, 0.0, 0)
+    kernel_args = (xs, xs, ws, xs, y, y, mean, rstd, 64, N, N, N, N, N, 1e-6, 0.0, 0)
     kernel_meta = dict(IS_RMS=True, HAS_RESIDUAL=False, HAS_DROPOUT=False, HAS_WEIGHT=True, HAS_BIAS=False,
-                       BLOCK_N=N, ONE_BLOCK=True, num_warps=4)
+                       BLOCK_N=N, ONE_BLOCK=True, ROWS=1, num_warps=4)
     rows = {
         "norm fwd kernel, kernel[grid] (64 rows)": lambda: norm._norm_fwd_kernel[(64,)](*kernel_args, **kernel_meta),
         "norm fwd kernel, onepass launch() (64 rows)": lambda: launch(norm._norm_fwd_kernel, (64,), *kernel_args,
                                                                       **kernel_meta),
-        "fwd launcher (64 rows)": lambda: norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype),
-        "bwd launcher (64 rows)": lambda: norm._norm_bwd_launch(dys, None, xs, ws, None, mean, rstd, 0.0, 0, True,
+        "fwd launcher (64 rows)": lambda: norm._norm_fwd_launch(xs, None, ws, None, 1e-6, 0.0, 0.0, 0, True, xs.dtype),
+        "bwd launcher (64 rows)": lambda: norm._norm_bwd_launch(dys, None, xs, ws, 0.0, None, mean, rstd, 0.0, 0, True,
                                                                 xs.dtype, False, False),
-        "fwd custom op (64 rows)": lambda: norm._norm_fwd(xs, None, ws, None, 1e-6, 0.0, 0, True, xs.dtype),
-        "bwd custom op (64 rows)": lambda: norm._norm_bwd(dys, None, xs, ws, None, mean, rstd, 0.0, 0, True,
+        "fwd custom op (64 rows)": lambda: norm._norm_fwd(xs, None, ws, None, 1e-6, 0.0, 0.0, 0, True, xs.dtype),
+        "bwd custom op (64 rows)": lambda: norm._norm_bwd(dys, None, xs, ws, 0.0, None, mean, rstd, 0.0, 0, True,
                                                           xs.dtype, False, False),
         "rms_norm fwd (64 rows, no grad)": lambda: norm.rms_norm(xs, ws),
         "fwd+bwd step, public op": step(norm.rms_norm),
         "fwd+bwd step, plain autograd.Function": step(_Plain.apply),
         "fwd+bwd step, F.rms_norm": step(lambda x, w: torch.nn.functional.rms_norm(x, (N,), w, 1e-6)),
-        "fwd launcher (16384 rows)": lambda: norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0, True,
+        "fwd launcher (16384 rows)": lambda: norm._norm_fwd_launch(x.detach(), None, ws, None, 1e-6, 0.0, 0.0, 0, True,
                                                                    x.dtype),
-        "bwd launcher (16384 rows)": lambda: norm._norm_bwd_launch(dy, None, x.detach(), ws, None, big_mean,
+        "bwd launcher (16384 rows)": lambda: norm._norm_bwd_launch(dy, None, x.detach(), ws, 0.0, None, big_mean,
                                                                    big_rstd, 0.0, 0, True, x.dtype, False, False),
         "fwd+bwd launchers, no autograd (16384 rows)": manual,
         "fwd+bwd launchers in a second thread": lambda: in_thread(manual),

@@ -7,8 +7,9 @@ from onepass.ops.dispatch import interpreting
 from onepass.testing import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# irregular, a hidden size of 1, a power of two, a row longer than one block (16384)
-SHAPES = [(3, 5, 123), (4, 1), (2, 64), (2, 20000)]
+# irregular, a hidden size of 1, a power of two, a row longer than one block (16384), narrow rows two a
+# program (plain forms; the last program's second row past the rows)
+SHAPES = [(3, 5, 123), (4, 1), (2, 64), (2, 20000), (151, 40)]
 KINDS = ["rms", "layer", "add_rms", "add_layer"]
 
 
@@ -276,7 +277,7 @@ def test_bad_input_raises_before_any_kernel(call, error, words, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [4096, 8192, 12288, 65536])
+@pytest.mark.parametrize("n", [768, 4096, 8192, 12288, 65536])
 def test_gpu_bf16_real_sizes(kind, n):
     rows = 16384 if n <= 8192 else 512
     x = torch.randn(rows, n, dtype=torch.bfloat16, device="cuda")

@@ -23,7 +23,8 @@ Byte budget (M rows of N, element size s; the dropout mask is never stored):
     norm bwd         ~9 passes                         read dy, h; write dx     3 MNs
                                                        (+ read dh_out with add_*: 4 MNs)
 
-The forward runs one row a program: programs looping over rows (with or without the next row's
+The forward holds one row a program, or two rows of up to PAIR_BLOCK values as one tile
+(results/h100-80gb-hbm3/norm_fwd_rows.log): programs looping over rows (with or without the next row's
 loads in flight) and one-pass LayerNorm statistics of a row held whole were no faster
 (benchmarks/tune_rope_layer_norm.py, results/h200/tune_rope_layer_norm.log; the earlier numbers are in
 CHANGELOG.md). A row wider than one block takes its sums in one pass and is normalised in a second
@@ -82,20 +83,29 @@ WIDE_ROW = 8192
 # wide-layer-fwd, results/h100-80gb-hbm3/tune_norm_wide.log).
 WIDE_LAYER_NORM_FWD = (4096, 16)
 
+# One-block rows of at most PAIR_BLOCK values go two a forward program without the residual (fwd_settings).
+PAIR_BLOCK = 4096
 
-def fwd_settings(n_cols: int, is_rms: bool, has_residual: bool) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the forward. Values a thread (so warps, by the row width): 16 for plain
-    RMSNorm, 32 for LayerNorm and the add_* forms (benchmarks/tune_rowwise.py norm,
+
+def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, ROWS) of the forward. Values a thread (so warps, by the row width): 16 for
+    plain RMSNorm, 32 for LayerNorm and the add_* forms (benchmarks/tune_rowwise.py norm,
     results/h200/tune_norm_bwd.log). Plain RMSNorm counts them over the row's width rounded down to a
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
     (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log). LayerNorm's wide rows:
-    WIDE_LAYER_NORM_FWD."""
+    WIDE_LAYER_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
+    (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the programs still number two an SM: LayerNorm
+    16384 x 768 and 65536 x 3072 4-5% faster, four or eight rows slower than two, the add_* forms no faster
+    at many rows and slower at 1024 (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
     if not is_rms and n_cols > WIDE_ROW:
-        return WIDE_LAYER_NORM_FWD
+        return (*WIDE_LAYER_NORM_FWD, 1)
     if is_rms and not has_residual:
         block, _ = row_settings(n_cols)
-        return block, row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1]
-    return row_settings(n_cols, values_per_thread=32)
+        num_warps = row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1]
+    else:
+        block, num_warps = row_settings(n_cols, values_per_thread=32)
+    rows = 2 if block <= PAIR_BLOCK and not has_residual and n_rows >= 4 * sms else 1
+    return block, min(16, num_warps * rows), rows
 
 
 def bwd_programs_per_sm(block: int) -> int:
@@ -153,42 +163,47 @@ def _store_h(h, h_ptr, row, h_row_stride, cols, mask):
 @triton.jit
 def _norm_fwd_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr,
-    x_row_stride, res_row_stride, y_row_stride, h_row_stride,
+    n_rows, x_row_stride, res_row_stride, y_row_stride, h_row_stride,
     n_cols, eps, w_offset, dropout_p, seed,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     launch_next_kernel(PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     if ONE_BLOCK:
-        # The whole row lives in registers: one read of each input, one write of each output.
-        # One row a program (more rows a program, unrolled, were slower: see the module docstring).
-        mask = cols < n_cols
+        # ROWS whole rows live in registers, a [ROWS, BLOCK_N] tile: one read of each input, one write of
+        # each output (fwd_settings pairs rows up to PAIR_BLOCK; programs looping over rows were slower: see
+        # the module docstring).
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_rows
+        r, c = rows[:, None], cols[None, :]
+        mask = row_ok[:, None] & (c < n_cols)
         # weight and bias loads issued first, so they overlap the row's reduction
         # (benchmarks/tune_rope_layer_norm.py ln, "wb_first" in results/h200/tune_rope_layer_norm.log)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0) if HAS_WEIGHT else 1.0
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0) if HAS_BIAS else 0.0
-        h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
+        w = tl.load(w_ptr + c, mask=c < n_cols, other=0.0) if HAS_WEIGHT else 1.0
+        b = tl.load(b_ptr + c, mask=c < n_cols, other=0.0) if HAS_BIAS else 0.0
+        h = _load_h(x_ptr, res_ptr, r, x_row_stride, res_row_stride, c, mask, n_cols, dropout_p, seed,
                     HAS_RESIDUAL, HAS_DROPOUT, "")
         if HAS_RESIDUAL:
-            h = _store_h(h, h_ptr, row, h_row_stride, cols, mask)
+            h = _store_h(h, h_ptr, r, h_row_stride, c, mask)
         if IS_RMS:
-            mean = 0.0
             centred = h
         else:
-            mean = tl.sum(h, axis=0) / n_cols
-            centred = tl.where(mask, h - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
-        y = centred * rstd
+            mean = tl.sum(h, axis=1) / n_cols
+            centred = tl.where(mask, h - mean[:, None], 0.0)
+            tl.store(mean_ptr + rows, mean, mask=row_ok)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+        y = centred * rstd[:, None]
         if HAS_WEIGHT:
             y *= w.to(tl.float32) + w_offset
         if HAS_BIAS:
             y += b.to(tl.float32)
-        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + r * y_row_stride + c, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
+        row = tl.program_id(0).to(tl.int64)
         # Rows longer than one block: pass 1 takes the sums (and writes h), pass 2 normalises, re-reading
         # the row from L2 (pass 1's loads ask L2 to keep it, pass 2's to drop it). LayerNorm sums h - shift
         # and its square, the shift being the first block's mean: mean and variance in one pass, without the
@@ -229,9 +244,9 @@ def _norm_fwd_kernel(
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
             tl.store(y_ptr + row * y_row_stride + c, y.to(y_ptr.dtype.element_ty), mask=m)
-    if not IS_RMS:
-        tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+        if not IS_RMS:
+            tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -375,14 +390,14 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
     res2 = as_rows(residual) if residual is not None else x2
     y2 = y.view(m, n)
     h2 = h.view(m, n) if h is not None else x2  # (placeholders are inputs: see dispatch.triton_op)
-    block, num_warps = fwd_settings(n, is_rms, residual is not None)
-    launch(_norm_fwd_kernel, (m,),
+    block, num_warps, rows = fwd_settings(n, m, is_rms, residual is not None, num_programs_for(x2.device))
+    launch(_norm_fwd_kernel, (cdiv(m, rows),),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
         y2, h2, mean if mean is not None else x2, rstd,
-        x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
+        m, x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
         n, eps, offset, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block, ROWS=rows,
         # As a dependent launch only while its rows fit one wave of programs (a decode step's): with many
         # programs each one's wait costs more than the launch gap saved (results/h100-80gb-hbm3/
         # norm_fwd_wide_and_pdl.log).
