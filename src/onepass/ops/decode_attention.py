@@ -347,8 +347,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     length of each sequence, the new tokens included: they are its last Tq positions,
     causal among themselves (lengths are clamped to [0, L_max]; 0: no key, zeros). ``window``
     (``attention``'s int window, Mistral / Gemma's ``sliding_window``): the token at position
-    p sees keys p - window + 1 .. p only. ``num_splits`` overrides the split of the visible
-    keys (default: enough to fill the GPU twice).
+    p sees keys p - window + 1 .. p only. ``num_splits`` overrides the chunks a sequence's visible
+    keys are cut into (default: enough to fill the GPU twice; where a ragged batch's chunks are
+    shared by positions, B * num_splits chunks a kv head, more for the long sequences).
     """
     _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
