@@ -9,7 +9,7 @@ and, with a sliding window W, only keys j > L - Tq + t - W (``ops.attention``'s 
 the query and the W - 1 keys before it).
 
 Split: each sequence's visible cache positions [lo, L) (lo = max(0, L - Tq - W + 1) with a
-window, else 0) are cut into chunks, ``splits`` each; from caches of SHARED_MIN_CACHE positions
+window, else 0) are cut into chunks, ``splits`` each; where SHARED_MIN_CACHE positions are visible
 the B * ``splits`` programs of a kv head are shared among the batch's sequences by their
 visible positions instead (a ragged batch's long sequences take more chunks than its short
 ones, at most SPREAD times ``splits``; equal lengths take ``splits`` each). Sequence b takes
