@@ -1,0 +1,128 @@
+"""Compiles, for sm_90, the kernels onepass's launchers pick at real GPU sizes, without a GPU.
+
+Triton's interpreter (how the CPU tests run the kernels) does not compile them, so a kernel can pass
+every CPU test and still fail to compile on a GPU (a loop-carried value that changes type, a
+constexpr misused). Here each launcher runs on CPU tensors of real shapes with the GPU's settings
+(the interpreter's small blocks off, 132 SMs), its launches recorded instead of run, and each
+distinct specialization is compiled for sm_90 (PTX and cubin: Triton's own compiler, no device).
+Run by tests/ops/test_compile_sm90.py in a process without TRITON_INTERPRET; prints one line a
+compiled specialization, raises on the first that does not compile.
+"""
+
+import importlib
+import pkgutil
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import onepass.ops
+
+SMS = 132
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+           torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8", torch.int8: "*i8"}
+OPTIONS = ("num_warps", "num_stages")
+
+calls = []
+
+
+def _record(kernel, grid, *args, **meta):
+    calls.append((kernel, args, meta))
+
+
+for info in pkgutil.iter_modules(onepass.ops.__path__):
+    module = importlib.import_module("onepass.ops." + info.name)
+    for name, fake in (("interpreting", lambda: False), ("num_programs_for", lambda device: SMS),
+                       ("launch", _record)):
+        if hasattr(module, name):
+            setattr(module, name, fake)
+
+
+def ops(name):
+    return sys.modules["onepass.ops." + name]
+
+
+def empty(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype)
+
+
+def cases():
+    """Each case calls launchers at one real size (what their kernels compute is not looked at)."""
+    norm = ops("norm")
+    for rows, n in ((16384, 768), (16384, 4096), (512, 12288), (64, 65536)):
+        x, w = empty(rows, n), empty(n)
+        for is_rms, residual, dropout in ((True, None, 0.0), (False, None, 0.0), (True, x, 0.1), (False, x, 0.0)):
+            y, h, mean, rstd = norm._norm_fwd_launch(x, residual, w, None if is_rms else w, 1e-5, 0.0, dropout, 0,
+                                                     is_rms, x.dtype)
+            norm._norm_bwd_launch(x, None, x, w, 0.0, None if is_rms else x.dtype, mean, rstd, dropout, 0, is_rms,
+                                  x.dtype, residual is not None, False)
+    act = ops("activation")
+    x = empty(16384, 8192)
+    for up, bias in ((x, None), (None, empty(8192))):
+        for a in (0, 1, 2):
+            act._act_fwd_launch(x, up, bias, a)
+            act._act_bwd_launch(x, x, up, bias, a, up is not None)
+    softmax = ops("softmax")
+    s = empty(4, 16, 2048, 2048)
+    softmax._softmax_bwd_launch(s, softmax._softmax_fwd_launch(s, None, 0.125, True), 0.125, True)
+    ce = ops("cross_entropy")
+    count_targets = ce.count_targets
+
+    def counted(target, n_cols, ignore_index):  # the launch recorded; its host check read counts never computed
+        try:
+            count_targets(target, n_cols, ignore_index)
+        except ValueError:
+            pass
+        return torch.zeros(2, dtype=torch.int32)
+
+    ce.count_targets = counted
+    logits, target = empty(4096, 128256), torch.zeros(4096, dtype=torch.int64)
+    ce._cross_entropy_fwd_launch(logits, target, -100, "mean", 0.1, 1e-4, 30.0, True, True, False)
+    attention = ops("attention")
+    for d, causal in ((64, True), (128, False), (256, True)):
+        q, k = empty(1, 32, 2048, d), empty(1, 8, 2048, d)
+        o, lse = attention._attention_fwd_launch(q, k, k, None, d ** -0.5, -1, 0 if causal else -1, None, "bhsd")
+        attention._attention_bwd_launch(q, q, k, k, o, lse, None, None, d ** -0.5, -1, 0 if causal else -1, None,
+                                        "bhsd")
+    decode = ops("decode_attention")
+    for batch, cache, window in ((1, 576, None), (8, 16384, None), (64, 4096, None), (4, 32768, 4096)):
+        q, kv = empty(batch, 32, 1, 128), empty(batch, 8, cache, 128)
+        decode._decode_launch(q, kv, kv, torch.full((batch,), cache, dtype=torch.int32), 0.088, 0.0, "bhsd", 0,
+                              window or 0)
+    linear = ops("decode_linear")
+    for n_in, outs, act_id in ((2048, (2048, 512, 512), -1), (8192, (2048,), -1), (2048, (8192, 8192), 0)):
+        x = empty(1, n_in)
+        linear._decode_linear_launch(x, [empty(n, n_in) for n in outs], [None] * len(outs), act_id,
+                                     empty(1, outs[0]) if len(outs) == 1 else None)
+    rope = ops("rope")
+    q, k, cos = empty(2, 32, 4096, 128), empty(2, 8, 4096, 128), empty(2, 4096, 128)
+    for backward in (False, True):
+        rope._rope_launch(q, k, cos, cos, None, "bhsd", False, backward, q, k)
+    params = [empty(4096, 4096, dtype=torch.float32), empty(4096, dtype=torch.float32)]
+    ops("adamw")._adamw_launch(params, params, params, params, 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
+
+
+def compile_recorded():
+    seen = set()
+    for kernel, args, meta in calls:
+        constexprs = {k: v for k, v in meta.items() if k not in OPTIONS and k != "launch_pdl"}
+        names = [a for a in kernel.arg_names if a not in constexprs]
+        signature = {a: "constexpr" for a in constexprs}
+        for a, v in zip(names, args):
+            signature[a] = (POINTER[v.dtype] if isinstance(v, torch.Tensor) else "fp32" if isinstance(v, float)
+                            else "i1" if isinstance(v, bool) else "i32" if -2**31 <= v < 2**31 else "i64")
+        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())),
+               tuple(meta.get(o) for o in OPTIONS))
+        if key in seen:
+            continue
+        seen.add(key)
+        options = {o: meta[o] for o in OPTIONS if o in meta}
+        triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+        print(kernel.__name__, constexprs, options, flush=True)
+
+
+if __name__ == "__main__":
+    cases()
+    compile_recorded()

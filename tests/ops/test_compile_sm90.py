@@ -1,0 +1,19 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_kernels_compile_for_sm90_at_real_sizes():
+    """The kernels the launchers pick at real sizes on a 132-SM GPU compile for sm_90 (the interpreter,
+    which runs the other CPU tests, compiles nothing): tests/ops/_compile_sm90.py, in a process without
+    TRITON_INTERPRET, no GPU needed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("_compile_sm90.py")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    compiled = run.stdout.splitlines()
+    for kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_attn_fwd_kernel", "_attn_bwd_dkdv_kernel",
+                   "_decode_split_kernel", "_decode_merge_kernel", "_decode_linear_kernel", "_rope_kernel",
+                   "_cross_entropy_fwd_kernel", "_act_bwd_kernel", "_softmax_bwd_kernel"):
+        assert any(line.startswith(kernel + " ") for line in compiled), (kernel, run.stdout)
