@@ -29,7 +29,7 @@ def _check(q, k, v, lens, dtype, **kw):
 @pytest.fixture(params=["per sequence", "shared"])
 def chunks(request, monkeypatch):
     """A sequence's keys in `splits` chunks, or the batch's chunks shared by positions (a ragged batch's long
-    sequences take more: the kernel's plan from caches of SHARED_MIN_CACHE positions, here from any)."""
+    sequences take more: the kernel's plan where SHARED_MIN_CACHE positions are visible, here from any)."""
     if request.param == "shared":
         monkeypatch.setattr(importlib.import_module("onepass.ops.decode_attention"), "SHARED_MIN_CACHE", 0)
     return request.param
