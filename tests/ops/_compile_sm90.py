@@ -100,6 +100,11 @@ def cases():
     q, k, cos = empty(2, 32, 4096, 128), empty(2, 8, 4096, 128), empty(2, 4096, 128)
     for backward in (False, True):
         rope._rope_launch(q, k, cos, cos, None, "bhsd", False, backward, q, k)
+    moe = ops("moe")  # a Qwen3-30B-A3B layer's shapes: 128 experts, top 8, hidden 2048, 768 a expert
+    x, top_k = empty(4096, 2048), torch.zeros(4096, 8, dtype=torch.int64)
+    gate_up, down = empty(128, 1536, 2048), empty(128, 2048, 768)
+    out, gu, perm, offsets = moe.moe_fwd_launch(x, top_k, empty(4096, 8), gate_up, down, 0, True)
+    moe.moe_bwd_launch(out, x, top_k, empty(4096, 8), gate_up, down, gu, perm, offsets, 0, True, True, True, True)
     params = [empty(4096, 4096, dtype=torch.float32), empty(4096, dtype=torch.float32)]
     ops("adamw")._adamw_launch(params, params, params, params, 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
 

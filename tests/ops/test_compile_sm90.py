@@ -15,5 +15,6 @@ def test_kernels_compile_for_sm90_at_real_sizes():
     compiled = run.stdout.splitlines()
     for kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_attn_fwd_kernel", "_attn_bwd_dkdv_kernel",
                    "_decode_split_kernel", "_decode_merge_kernel", "_decode_linear_kernel", "_rope_kernel",
-                   "_cross_entropy_fwd_kernel", "_act_bwd_kernel", "_softmax_bwd_kernel"):
+                   "_cross_entropy_fwd_kernel", "_act_bwd_kernel", "_softmax_bwd_kernel", "_moe_up_kernel",
+                   "_moe_wgrad_kernel"):
         assert any(line.startswith(kernel + " ") for line in compiled), (kernel, run.stdout)
