@@ -85,9 +85,9 @@ INTERPRETER_CONFIG = (16, 1, 1)
 SPLIT_VALUES_PER_ROW, SPLIT_TOKENS_RANGE = 4096, (64, 256)
 MAX_SPLITS = 64
 MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's tl.dot
-# Chunks shared by positions where SHARED_MIN_CACHE positions are visible (the plan costs each launch about a us,
-# more than it saves below; a decode step of a short cache keeps equal splits), a sequence's at most SPREAD times
-# the even share (`splits`). H100, results/h100-80gb-hbm3/decode_attention_ragged.log
+# Chunks shared by positions where SHARED_MIN_CACHE positions are visible (below, the plan a program computes
+# first costs more than the balance it buys; a decode step of a short cache keeps equal splits), a sequence's at
+# most SPREAD times the even share (`splits`): results/h100-80gb-hbm3/decode_attention_ragged.log
 SHARED_MIN_CACHE, SPREAD = 16384, 4
 MERGE_WARPS = 4
 

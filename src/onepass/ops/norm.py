@@ -94,9 +94,9 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
     (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log). LayerNorm's wide rows:
     WIDE_LAYER_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
-    (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the programs still number two an SM: LayerNorm
-    16384 x 768 and 65536 x 3072 4-5% faster, four or eight rows slower than two, the add_* forms no faster
-    at many rows and slower at 1024 (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
+    (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the programs still number two an SM: fewer, larger
+    programs read narrow rows faster; four or eight rows were slower than two, and the add_* forms gained
+    nothing (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
     if not is_rms and n_cols > WIDE_ROW:
         return (*WIDE_LAYER_NORM_FWD, 1)
     if is_rms and not has_residual:
@@ -390,7 +390,8 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
     res2 = as_rows(residual) if residual is not None else x2
     y2 = y.view(m, n)
     h2 = h.view(m, n) if h is not None else x2  # (placeholders are inputs: see dispatch.triton_op)
-    block, num_warps, rows = fwd_settings(n, m, is_rms, residual is not None, num_programs_for(x2.device))
+    sms = num_programs_for(x2.device)
+    block, num_warps, rows = fwd_settings(n, m, is_rms, residual is not None, sms)
     launch(_norm_fwd_kernel, (cdiv(m, rows),),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
         y2, h2, mean if mean is not None else x2, rstd,
@@ -401,7 +402,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
         # As a dependent launch only while its rows fit one wave of programs (a decode step's): with many
         # programs each one's wait costs more than the launch gap saved (results/h100-80gb-hbm3/
         # norm_fwd_wide_and_pdl.log).
-        PDL=dependent_launch(x2) and m <= num_programs_for(x2.device), num_warps=num_warps,
+        PDL=dependent_launch(x2) and m <= sms, num_warps=num_warps,
     )
     return y, h, mean, rstd
 
