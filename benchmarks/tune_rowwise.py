@@ -1,6 +1,6 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
-    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [wide-layer-fwd]
+    python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [wide-fwd]
                                       [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
@@ -149,29 +149,40 @@ def sweep_layer_norm_bwd_wide(copy):
     norm.bwd_programs_per_sm, norm.bwd_max_block = saved
 
 
-def sweep_layer_norm_fwd_wide(copy):
-    """LayerNorm forward of wide rows (the full sweep's weakest cells: 0.62-0.77x torch.compile at
-    12288 and 16384) by the block held at once and warps, timed by CUDA-graph replay."""
+def sweep_norm_fwd_wide(copy):
+    """RMSNorm and LayerNorm forwards of wide rows by the block held at once and warps (a block
+    narrower than the row runs the two-pass kernel, re-reading the row from L2), beside the
+    launcher's own choice and torch.compile, timed by CUDA-graph replay. The H100's full sweep had
+    LayerNorm at 0.62-0.77x torch.compile at 12288 and 16384 (hence WIDE_LAYER_NORM_FWD); the H200's
+    (results/h200/sweep.md) has both norms at 0.81-0.87x there."""
     saved = norm.fwd_settings
-    for rows, n in itertools.product((4096, 16384), (8192, 12288, 16384)):
+    for is_rms, rows, n in itertools.product((True, False), (4096, 16384), (8192, 12288, 16384)):
+        name = "rms" if is_rms else "layer"
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        step = functools.partial(norm._norm_fwd_launch, x, None, w, b, 1e-5, 0.0, 0.0, 0, False, x.dtype)
+        bias = None if is_rms else b
+        step = functools.partial(norm._norm_fwd_launch, x, None, w, bias, 1e-5, 0.0, 0.0, 0, is_rms, x.dtype)
         ref = step()[0].float()
-        for block, warps in itertools.product((4096, 8192, 16384), (8, 16, 32)):
+
+        def report(label, us, err=None):
+            print(f"norm {name} fwd {rows}x{n} {label:<22} {us:8.1f} us {2 * x.numel() * 2 / us / 1e3 / copy:6.1%}"
+                  + ("" if err is None else f" (rel. diff {err:.1e})"), flush=True)
+
+        report(f"launcher {saved(n, rows, is_rms, False, 132)[:2]}",
+               do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3)
+        for block, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16, 32)):
             if block > 2 * n:
                 continue
             norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_, 1)
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
-            us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
-            print(f"norm layer fwd {rows}x{n} block={block:<5} warps={warps:<2} {us:8.1f} us "
-                  f"{2 * x.numel() * 2 / us / 1e3 / copy:6.1%} (rel. diff {err:.1e})", flush=True)
+            report(f"block={block} warps={warps}", do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3, err)
         norm.fwd_settings = saved
-        compiled = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (n,), w, b, 1e-5))
+        if is_rms:
+            compiled = torch.compile(lambda x: torch.nn.functional.rms_norm(x, (n,), w, 1e-5))
+        else:
+            compiled = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (n,), w, b, 1e-5))
         compiled(x)
-        us = do_bench_cudagraph(lambda: compiled(x), rep=100, return_mode="median") * 1e3
-        print(f"norm layer fwd {rows}x{n} torch.compile        {us:8.1f} us {2 * x.numel() * 2 / us / 1e3 / copy:6.1%}",
-              flush=True)
+        report("torch.compile", do_bench_cudagraph(lambda: compiled(x), rep=100, return_mode="median") * 1e3)
 
 
 def sweep_activation(copy):
@@ -245,8 +256,8 @@ if __name__ == "__main__":
         sweep_norm_bwd_wide(ceilings.copy_gbps)
     if "one-wide-block" in parts:
         sweep_norm_bwd_one_wide_block(ceilings.copy_gbps)
-    if "wide-layer-fwd" in parts:
-        sweep_layer_norm_fwd_wide(ceilings.copy_gbps)
+    if "wide-fwd" in parts:
+        sweep_norm_fwd_wide(ceilings.copy_gbps)
     if "wide-layer" in parts:
         sweep_layer_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:
