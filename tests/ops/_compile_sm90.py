@@ -4,7 +4,9 @@ Triton's interpreter (how the CPU tests run the kernels) does not compile them, 
 every CPU test and still fail to compile on a GPU (a loop-carried value that changes type, a
 constexpr misused). Here each launcher runs on CPU tensors of real shapes with the GPU's settings
 (the interpreter's small blocks off, 132 SMs), its launches recorded instead of run, and each
-distinct specialization is compiled for sm_90 (PTX and cubin: Triton's own compiler, no device).
+distinct specialization is compiled for sm_90 (PTX and cubin: Triton's own compiler, no device). The
+specializations are made by Triton's own binder, as on the GPU: with the 16-byte alignment and
+divisibility hints, so the vectorized code a GPU runs is what compiles here.
 Run by tests/ops/test_compile_sm90.py in a process without TRITON_INTERPRET; prints one line a
 compiled specialization, raises on the first that does not compile.
 """
@@ -16,14 +18,13 @@ import sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 import onepass.ops
 
 SMS = 132
-POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-           torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8", torch.int8: "*i8"}
-OPTIONS = ("num_warps", "num_stages")
+TARGET = GPUTarget("cuda", 90, 32)
 
 calls = []
 
@@ -110,22 +111,21 @@ def cases():
 
 
 def compile_recorded():
+    """Each recorded launch specialized by Triton's own binder (dtypes, 16-byte alignment, integers
+    divisible by 16 or equal to 1), as a launch on the GPU does, then compiled once a specialization."""
+    backend = make_backend(TARGET)
     seen = set()
     for kernel, args, meta in calls:
-        constexprs = {k: v for k, v in meta.items() if k not in OPTIONS and k != "launch_pdl"}
-        names = [a for a in kernel.arg_names if a not in constexprs]
-        signature = {a: "constexpr" for a in constexprs}
-        for a, v in zip(names, args):
-            signature[a] = (POINTER[v.dtype] if isinstance(v, torch.Tensor) else "fp32" if isinstance(v, float)
-                            else "i1" if isinstance(v, bool) else "i32" if -2**31 <= v < 2**31 else "i64")
-        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())),
-               tuple(meta.get(o) for o in OPTIONS))
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options = binder(*args, **meta)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
+        key = (kernel.__name__, str(signature), str(constexprs), str(attrs), options.hash())
         if key in seen:
             continue
         seen.add(key)
-        options = {o: meta[o] for o in OPTIONS if o in meta}
-        triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-        print(kernel.__name__, constexprs, options, flush=True)
+        triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+        shown = {kernel.arg_names[path[0]]: v for path, v in constexprs.items() if kernel.arg_names[path[0]].isupper()}
+        print(kernel.__name__, shown, {"num_warps": options.num_warps, "num_stages": options.num_stages}, flush=True)
 
 
 if __name__ == "__main__":
