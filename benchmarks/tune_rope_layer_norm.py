@@ -1,6 +1,6 @@
 """Alternatives to the layer_norm and rope forward kernels, against them (bf16, `bench ops` sizes).
 
-    python benchmarks/tune_rope_layer_norm.py [ln] [rope]
+    python benchmarks/tune_rope_layer_norm.py [ln] [rope] [rope-dims]
 
 Each row: the median of a CUDA-graph replay (GPU time alone) and of ``do_bench`` (per-call
 events, as `bench ops` times: launch and host time included), and the fraction of the copy
@@ -149,7 +149,7 @@ def sweep_rope(copy):
     )
     q = torch.randn(BATCH, Q_HEADS, SEQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(BATCH, K_HEADS, SEQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    cos, sin = _tables()
+    cos, sin = _tables(BATCH, SEQ, HEAD_DIM)
     nbytes = 2 * (q.numel() + k.numel()) * 2
     q_ref, k_ref = ops.rope(q, k, cos, sin)
     g, wall = timeit(lambda: ops.rope(q, k, cos, sin))
@@ -178,6 +178,37 @@ def sweep_rope(copy):
               f"wall {wall*1e3:6.1f} us  max diff vs production {err:.3g}")
 
 
+def sweep_rope_head_dims(copy):
+    """The production kernel by heads a program (BLOCK_H) and warps at the sweep's head dims. A head
+    of 80 or 96 dims runs in half-blocks of 64 lanes (40 or 48 used), so at the tile rule's BLOCK_H
+    (TILE_ELEMENTS over the padded head) a program moves 62% or 75% of the bytes a 128-dim one does;
+    the H200 sweep had these dims at 0.84-0.92x torch.compile (results/h200/sweep.md)."""
+    from onepass.bench.suites.rope import K_HEADS, Q_HEADS, _hf_rope, _tables
+    batch, seq = 4, 16384
+    orig_settings, orig_warps = rope._settings, rope.NUM_WARPS
+    compiled = torch.compile(_hf_rope())
+    for d in (64, 80, 96, 128):
+        q = torch.randn(batch, Q_HEADS, seq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, K_HEADS, seq, d, device="cuda", dtype=torch.bfloat16)
+        cos, sin = _tables(batch, seq, d)
+        nbytes = 2 * (q.numel() + k.numel()) * 2
+        q_ref, k_ref = ops.rope(q, k, cos, sin)
+
+        def report(label, fn):
+            g, _ = timeit(fn)
+            print(f"rope d={d:<3} {label:<24} graph {g*1e3:7.1f} us {nbytes/g/1e6/copy:6.1%}", flush=True)
+
+        report(f"production {orig_settings(d, d, Q_HEADS)[0]}x{orig_warps}", lambda: ops.rope(q, k, cos, sin))
+        report("torch.compile", lambda: compiled(q, k, cos, sin))
+        for block_h, warps in itertools.product((4, 8, 16, 32), (1, 2, 4)):
+            rope._settings = lambda rot, head_dim, n_heads, b_=block_h: (b_, *orig_settings(rot, head_dim, n_heads)[1:])
+            rope.NUM_WARPS = warps
+            qo, ko = ops.rope(q, k, cos, sin)
+            assert torch.equal(qo, q_ref) and torch.equal(ko, k_ref)
+            report(f"block_h={block_h} warps={warps}", lambda: ops.rope(q, k, cos, sin))
+        rope._settings, rope.NUM_WARPS = orig_settings, orig_warps
+
+
 if __name__ == "__main__":
     ceil = measure_ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {ceil.copy_gbps:.0f} GB/s")
@@ -186,3 +217,5 @@ if __name__ == "__main__":
         sweep_layer_norm(ceil.copy_gbps)
     if "rope" in which:
         sweep_rope(ceil.copy_gbps)
+    if "rope-dims" in which:
+        sweep_rope_head_dims(ceil.copy_gbps)
