@@ -91,6 +91,13 @@ def test_varlen_packed_sequences(kw, device):
     _check(q, k, v, torch.float32, use_lse=True, layout="bshd", cu_seqlens=cu, **kw)
 
 
+def test_varlen_reads_strided_cu_seqlens(device):
+    cu = torch.tensor([0, 99, 17, 99, 57, 99], dtype=torch.int32, device=device)[::2]  # [0, 17, 57], stride 2
+    q, k, v = _qkv((57, 2, 16), (57, 2, 16), torch.float32, device)
+    assert torch.equal(ops.attention(q, k, v, causal=True, layout="bshd", cu_seqlens=cu),
+                       ops.attention(q, k, v, causal=True, layout="bshd", cu_seqlens=cu.contiguous()))
+
+
 def test_varlen_equals_separate_calls(device):
     lens = [17, 40]
     cu = torch.tensor([0, 17, 57], dtype=torch.int32, device=device)
@@ -197,6 +204,7 @@ def test_cu_seqlens_that_do_not_cover_the_rows_raise(offsets):
     (lambda q, k, v: ops.attention(q, k, v, softcap=float("inf")), ValueError, "softcap"),
     (lambda q, k, v: ops.attention(q, k, v, window=0), ValueError, "window"),
     (lambda q, k, v: ops.attention(q, k, v, window=(1, 2, 3)), ValueError, "window"),
+    (lambda q, k, v: ops.attention(q, k, v, window=(3,)), ValueError, "window"),
     (lambda q, k, v: ops.attention(q, k, v, window=2.5), ValueError, "window"),
     (lambda q, k, v: ops.attention(q, k, v, window=True), ValueError, "window"),
     (lambda q, k, v: ops.attention(q[0], k[0], v[0], layout="bshd",

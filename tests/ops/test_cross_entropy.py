@@ -324,6 +324,7 @@ def test_out_of_range_target_raises_and_writes_nothing(bad, device):
     (lambda x, t: ops.cross_entropy(x, t, z_loss=float("nan")), ValueError, "z_loss"),
     (lambda x, t: ops.cross_entropy(x[:, :0], t), ValueError, "class"),
     (lambda x, t: ops.cross_entropy(x, t.to("meta")), ValueError, "device"),
+    (lambda x, t: ops.cross_entropy(x, t, ignore_index=True), TypeError, "ignore_index"),
 ])
 def test_bad_input_raises(call, error, words, device):
     with pytest.raises(error, match=words):

@@ -167,6 +167,13 @@ def test_torch_compile_fullgraph_and_opcheck(device):
     torch.library.opcheck(_decode_attention, (q, k, v, seqlens, 0.25, 0.0, "bhsd", 2, 5))
 
 
+def test_strided_cache_seqlens(device):
+    q, k, v = _inputs(2, 4, 2, 1, 24, 16, torch.float32, device)
+    seqlens = torch.tensor([24, 0, 9, 0], dtype=torch.int32, device=device)[::2]  # [24, 9], stride 2
+    assert torch.equal(ops.decode_attention(q, k, v, seqlens, num_splits=2),
+                       ops.decode_attention(q, k, v, seqlens.contiguous(), num_splits=2))
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda q, k, v, s: ops.decode_attention(q, k.half(), v, s), TypeError, "dtype"),
     (lambda q, k, v, s: ops.decode_attention(q, torch.cat([k, k], 1), torch.cat([v, v], 1), s), ValueError,

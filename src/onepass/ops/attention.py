@@ -644,8 +644,9 @@ def _check(q, k, v, scale, window, softcap, layout, cu_seqlens):
     check_softcap(softcap)
     check_scale(scale)
     if window is not None:
-        sides = (window,) if is_int(window) else tuple(window) if isinstance(window, (tuple, list)) else ()
-        if is_int(window) and window < 1 or len(sides) not in (1, 2) \
+        pair = isinstance(window, (tuple, list)) and len(window) == 2
+        sides = (window,) if is_int(window) else tuple(window) if pair else ()
+        if is_int(window) and window < 1 or not sides \
                 or any(s is not None and (not is_int(s) or s < -1) for s in sides):
             raise ValueError(f"window must be an int >= 1 or a (left, right) pair of ints >= 0 (or None), "
                              f"got {window!r}")
@@ -684,6 +685,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     if not use_triton_dot(q):
         return reference.attention(q, k, v, causal, scale, window, softcap, layout, cu_seqlens, return_lse)
     before, after = window_bounds(causal, window)
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None  # the kernels index it densely
     o, lse = route(_attention_fwd, _attention_fwd_launch, q, k, v, autograd=_attention_fwd_eager)(
         q, k, v, cu_seqlens, scale, before, after, float(softcap or 0.0), layout)
     return (o, lse) if return_lse else o

@@ -69,6 +69,7 @@ from onepass.ops.dispatch import (
     eager_autograd,
     first_order_only,
     flat,
+    is_int,
     is_number,
     launch,
     next_power_of_2,
@@ -536,7 +537,7 @@ def check_loss_options(target, n_cols, ignore_index, reduction, label_smoothing,
     if not (is_number(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
     check_softcap(softcap)
-    if not isinstance(ignore_index, int):
+    if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
