@@ -455,7 +455,7 @@ class _Geometry:
         self.n_seqs = cu_seqlens.numel() - 1 if self.varlen else self.batch
         self.total = self.seqlen_q if self.varlen else 0
         self.block_seqs = next_power_of_2(self.n_seqs + 1) if self.varlen else 1
-        self.cu_seqlens = cu_seqlens
+        self.cu_seqlens = cu_seqlens.contiguous() if self.varlen else None  # the kernels index it densely
         self.block_d = block_d_for(self.head_dim)
         self.sm_count = num_programs_for(q.device)
 
@@ -685,7 +685,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     if not use_triton_dot(q):
         return reference.attention(q, k, v, causal, scale, window, softcap, layout, cu_seqlens, return_lse)
     before, after = window_bounds(causal, window)
-    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None  # the kernels index it densely
     o, lse = route(_attention_fwd, _attention_fwd_launch, q, k, v, autograd=_attention_fwd_eager)(
         q, k, v, cu_seqlens, scale, before, after, float(softcap or 0.0), layout)
     return (o, lse) if return_lse else o

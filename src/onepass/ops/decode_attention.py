@@ -235,6 +235,7 @@ def _bhsd(t: Tensor, layout: str) -> Tensor:
 
 
 def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window):
+    cache_seqlens = cache_seqlens.contiguous()  # the kernels index it densely
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     qv, kv, vv, ov = (_bhsd(t, layout) for t in (q, k_cache, v_cache, out))
     batch, heads, n_tokens, head_dim = qv.shape
@@ -355,7 +356,6 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_triton(q):
         return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, window)
-    cache_seqlens = cache_seqlens.contiguous()  # the kernels index it densely
     return route(_decode_attention, _decode_launch, q)(q, k_cache, v_cache, cache_seqlens, scale,
                                                        float(softcap or 0.0), layout, int(num_splits or 0),
                                                        int(window or 0))

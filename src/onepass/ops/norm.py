@@ -80,7 +80,7 @@ WIDE_ROW = 8192
 
 # (BLOCK_N, num_warps) of LayerNorm's forward on wide rows: blocks of 4096 by 16 warps, its passes
 # re-reading the row from L2, where one block of 16384 holds too much a thread (tune_rowwise.py
-# wide-fwd, then named wide-layer-fwd: results/h100-80gb-hbm3/tune_norm_wide.log).
+# wide-fwd, results/h100-80gb-hbm3/tune_norm_wide.log).
 WIDE_LAYER_NORM_FWD = (4096, 16)
 
 # One-block rows of at most PAIR_BLOCK values go two a forward program without the residual (fwd_settings).
