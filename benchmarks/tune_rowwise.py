@@ -1,7 +1,7 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
     python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [wide-fwd]
-                                      [activation]
+                                      [wide-fwd-operands] [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -150,39 +150,63 @@ def sweep_layer_norm_bwd_wide(copy):
 
 
 def sweep_norm_fwd_wide(copy):
-    """RMSNorm and LayerNorm forwards of wide rows by the block held at once and warps (a block
-    narrower than the row runs the two-pass kernel, re-reading the row from L2), beside the
-    launcher's own choice and torch.compile, timed by CUDA-graph replay. The H100's full sweep had
-    LayerNorm at 0.62-0.77x torch.compile at 12288 and 16384 (hence WIDE_LAYER_NORM_FWD); the H200's
-    (results/h200/sweep.md) has both norms at 0.81-0.87x there."""
+    """RMSNorm, LayerNorm and add_rms_norm forwards of wide rows by the block held at once and warps
+    (a block narrower than the row runs the two-pass kernel, re-reading the row from L2), beside the
+    launcher's own choice and torch.compile, timed by CUDA-graph replay. The H200's full sweep
+    (results/h200/sweep.md) had both norms at 0.81-0.92x torch.compile at 8192-16384."""
     saved = norm.fwd_settings
-    for is_rms, rows, n in itertools.product((True, False), (4096, 16384), (8192, 12288, 16384)):
-        name = "rms" if is_rms else "layer"
+    for form, rows, n in itertools.product(("rms", "layer", "add_rms"), (4096, 16384), (8192, 12288, 16384)):
+        is_rms = form != "layer"
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        residual = torch.randn_like(x) if form == "add_rms" else None
         bias = None if is_rms else b
-        step = functools.partial(norm._norm_fwd_launch, x, None, w, bias, 1e-5, 0.0, 0.0, 0, is_rms, x.dtype)
+        step = functools.partial(norm._norm_fwd_launch, x, residual, w, bias, 1e-5, 0.0, 0.0, 0, is_rms, x.dtype)
         ref = step()[0].float()
+        moved = (4 if residual is not None else 2) * x.numel() * 2
 
         def report(label, us, err=None):
-            print(f"norm {name} fwd {rows}x{n} {label:<22} {us:8.1f} us {2 * x.numel() * 2 / us / 1e3 / copy:6.1%}"
+            print(f"norm {form} fwd {rows}x{n} {label:<22} {us:8.1f} us {moved / us / 1e3 / copy:6.1%}"
                   + ("" if err is None else f" (rel. diff {err:.1e})"), flush=True)
 
-        report(f"launcher {saved(n, rows, is_rms, False, 132)[:2]}",
+        report(f"launcher {saved(n, rows, is_rms, residual is not None, 132)[:2]}",
                do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3)
-        for block, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16, 32)):
+        for block, warps in itertools.product((4096, 8192, 16384), (4, 8, 16)):
             if block > 2 * n:
                 continue
             norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_, 1)
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             report(f"block={block} warps={warps}", do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3, err)
         norm.fwd_settings = saved
-        if is_rms:
-            compiled = torch.compile(lambda x: torch.nn.functional.rms_norm(x, (n,), w, 1e-5))
+        f = torch.nn.functional
+        if form == "rms":
+            compiled = torch.compile(lambda x: f.rms_norm(x, (n,), w, 1e-5))
+        elif form == "add_rms":
+            compiled = torch.compile(lambda x: (f.rms_norm(x + residual, (n,), w, 1e-5), x + residual))
         else:
-            compiled = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (n,), w, b, 1e-5))
+            compiled = torch.compile(lambda x: f.layer_norm(x, (n,), w, b, 1e-5))
         compiled(x)
         report("torch.compile", do_bench_cudagraph(lambda: compiled(x), rep=100, return_mode="median") * 1e3)
+
+
+def sweep_norm_fwd_operands(copy):
+    """The wide forward at 4096 x 4 and 16 warps with and without its weight and bias: how much of
+    LayerNorm's shortfall against RMSNorm is pass 2's re-reads of w and b, how much its statistics."""
+    saved = norm.fwd_settings
+    for rows, n in ((16384, 12288), (16384, 16384)):
+        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for is_rms, label, weight, bias in ((False, "layer w+b", w, b), (False, "layer w", w, None),
+                                            (False, "layer none", None, None), (True, "rms w", w, None),
+                                            (True, "rms none", None, None)):
+            for warps in (4, 16):
+                norm.fwd_settings = lambda *_, w_=warps: (4096, w_, 1)
+                step = functools.partial(norm._norm_fwd_launch, x, None, weight, bias, 1e-5, 0.0, 0.0, 0, is_rms,
+                                         x.dtype)
+                us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
+                print(f"{rows}x{n} {label:<12} warps={warps:<3} {us:7.1f} us {4 * x.numel() / us / 1e3 / copy:6.1%}",
+                      flush=True)
+    norm.fwd_settings = saved
 
 
 def sweep_activation(copy):
@@ -258,6 +282,8 @@ if __name__ == "__main__":
         sweep_norm_bwd_one_wide_block(ceilings.copy_gbps)
     if "wide-fwd" in parts:
         sweep_norm_fwd_wide(ceilings.copy_gbps)
+    if "wide-fwd-operands" in parts:
+        sweep_norm_fwd_operands(ceilings.copy_gbps)
     if "wide-layer" in parts:
         sweep_layer_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:

@@ -84,8 +84,9 @@ def test_wide_row_backward(kind, device):
 def test_wide_layer_norm_statistics_of_a_row_far_from_zero(kind, device):
     """Rows wider than one forward block take LayerNorm's statistics over several blocks; a mean 100x
     the spread must not cancel the variance away (E[h^2] - mean^2 would lose ~1e-3 of it to rounding
-    in float32)."""
+    in float32), nor must one feature far out (a "massive activation") in the first block."""
     x = 100.0 + torch.randn(3, 9000, device=device)
+    x[:, 7] += 3000.0
     res = torch.randn(3, 9000, device=device) if kind.startswith("add") else None
     _check_against_reference(kind, x, res, torch.randn(9000, device=device), torch.randn(9000, device=device),
                              torch.float32)

@@ -75,13 +75,14 @@ from onepass.ops.partials import sum_partials
 
 # Past this many values a row is wide: a program's registers hold no more of it with the norm's state.
 # The backward splits a wide row's columns (or holds RMSNorm's, up to MAX_ROW_BLOCK, as one block);
-# LayerNorm's forward reads it in blocks (WIDE_LAYER_NORM_FWD).
+# the forward reads it in blocks (WIDE_NORM_FWD).
 WIDE_ROW = 8192
 
-# (BLOCK_N, num_warps) of LayerNorm's forward on wide rows: blocks of 4096 by 16 warps, its passes
-# re-reading the row from L2, where one block of 16384 holds too much a thread (tune_rowwise.py
-# wide-fwd, results/h100-80gb-hbm3/tune_norm_wide.log).
-WIDE_LAYER_NORM_FWD = (4096, 16)
+# (BLOCK_N, num_warps) of the forward on wide rows, every form: blocks of 4096 by 16 warps, the second
+# pass re-reading the row from L2, where one block of up to 16384 (a row of 12288 a quarter padding) holds
+# too much a thread (tune_rowwise.py wide-fwd, results/h200/tune_norm_wide_fwd.log,
+# results/h100-80gb-hbm3/tune_norm_wide.log).
+WIDE_NORM_FWD = (4096, 16)
 
 # One-block rows of at most PAIR_BLOCK values go two a forward program without the residual (fwd_settings).
 PAIR_BLOCK = 4096
@@ -92,13 +93,13 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
     plain RMSNorm, 32 for LayerNorm and the add_* forms (benchmarks/tune_rowwise.py norm,
     results/h200/tune_norm_bwd.log). Plain RMSNorm counts them over the row's width rounded down to a
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
-    (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log). LayerNorm's wide rows:
-    WIDE_LAYER_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
+    (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log). Wide rows:
+    WIDE_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
     (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the programs still number two an SM: fewer, larger
     programs read narrow rows faster; four or eight rows were slower than two, and the add_* forms gained
     nothing (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
-    if not is_rms and n_cols > WIDE_ROW:
-        return (*WIDE_LAYER_NORM_FWD, 1)
+    if n_cols > WIDE_ROW:
+        return (*WIDE_NORM_FWD, 1)
     if is_rms and not has_residual:
         block, _ = row_settings(n_cols)
         num_warps = row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1]
