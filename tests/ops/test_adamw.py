@@ -157,6 +157,7 @@ def _bad(device, **change):
 
 @pytest.mark.parametrize("change, error, words", [
     ({"grads": []}, ValueError, "one length"),
+    ({"params": torch.zeros(4, 3)}, TypeError, "params must be a list of tensors"),
     ({"exp_avgs": [torch.zeros(3, 4)]}, ValueError, "exp_avgs[0] must match params[0]"),
     ({"grads": [torch.zeros(4, 3).to_sparse()]}, TypeError, "sparse"),
     ({"exp_avg_sqs": [torch.zeros(4, 3, dtype=torch.int32)]}, TypeError, "exp_avg_sqs[0] must be float32"),

@@ -152,6 +152,7 @@ def test_torch_compile_fullgraph_and_opcheck(device):
     (lambda x, w, b: ops.decode_linear(x, [w[0].half()]), TypeError, "dtype"),
     (lambda x, w, b: ops.decode_linear(x, [w[0][:, :5]]), ValueError, r"weights\[0\] must be"),
     (lambda x, w, b: ops.decode_linear(x, w * 2), ValueError, "1 to 3"),
+    (lambda x, w, b: ops.decode_linear(x, w[0]), TypeError, "a list of weight tensors"),
     (lambda x, w, b: ops.decode_linear(x, w, b[:1]), ValueError, "one per weight"),
     (lambda x, w, b: ops.decode_linear(x, w, [b[0][:3], None]), ValueError, r"biases\[0\]"),
     (lambda x, w, b: ops.decode_linear(x[0, 0, 0], w), ValueError, "at least one dimension"),

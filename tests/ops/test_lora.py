@@ -170,7 +170,8 @@ def test_opcheck(device):
     (lambda x, w, a, b: ops.lora_linear(x, w, a[:, :5], b), ValueError, "lora_a"),
     (lambda x, w, a, b: ops.lora_linear(x, w, a, b[:, :1]), ValueError, "lora_b"),
     (lambda x, w, a, b: ops.lora_linear(x, w, a, b, 1.0, torch.randn(3, device=x.device)), ValueError, "bias"),
-    (lambda x, w, a, b: ops.lora_linear(x, w, a, b, float("nan")), TypeError, "scaling"),
+    (lambda x, w, a, b: ops.lora_linear(x, w, a, b, float("nan")), ValueError, "scaling"),
+    (lambda x, w, a, b: ops.lora_linear(x, w, a, b, "2"), TypeError, "scaling"),
     (lambda x, w, a, b: ops.lora_linear(x, w, a, b, dropout_p=1.0), ValueError, "dropout_p"),
     (lambda x, w, a, b: ops.lora_linear(x.long(), w, a, b), TypeError, "x"),
 ])

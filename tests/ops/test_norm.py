@@ -260,6 +260,7 @@ def test_opcheck(device):
     (lambda x, w: ops.add_rms_norm(x, x[:, :5], w), ValueError, "residual"),
     (lambda x, w: ops.add_rms_norm(x, x, w, dropout_p=1.0), ValueError, "dropout_p"),
     (lambda x, w: ops.add_layer_norm(x, x, w, dropout_p=-0.1), ValueError, "dropout_p"),
+    (lambda x, w: ops.add_rms_norm(x, x, w, dropout_p="0.1"), TypeError, "dropout_p must be a number"),
     (lambda x, w: ops.rms_norm(x, w.to("meta")), ValueError, "device"),
     (lambda x, w: ops.rms_norm(x, "weight"), TypeError, "weight"),
     (lambda x, w: ops.rms_norm(x, w, eps=-1.0), ValueError, "eps"),

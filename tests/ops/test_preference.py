@@ -258,6 +258,10 @@ def test_bad_input_raises_clearly():
         linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0), mask, adv[:2])
     with pytest.raises(ValueError, match="temperature"):
         linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0), mask, adv, temperature=0)
+    with pytest.raises(ValueError, match="num_items_in_batch"):  # (a count of 0 would divide by 1)
+        linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0), mask, adv, num_items_in_batch=0)
+    with pytest.raises(ValueError, match="token id is outside"):
+        linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0) + 10**6, mask, adv)
 
 
 @pytest.mark.gpu

@@ -156,6 +156,18 @@ def test_inplace_refuses_inputs_that_need_grad(device):
         ops.rope(q, k, cos, sin, inplace=True)  # fine without autograd
 
 
+def test_inplace_refuses_one_tensor_as_q_and_k(device):
+    """In place, q passed as k too would be rotated twice (once as q, once as k)."""
+    q = torch.randn(1, 2, 3, 8, device=device)
+    cos, sin = _hf_tables(1, 3, 8, device)
+    before = q.clone()
+    for k in (q, q.view(1, 2, 3, 8)):
+        with pytest.raises(ValueError, match="rotated twice"):
+            ops.rope(q, k, cos, sin, inplace=True)
+    assert torch.equal(q, before)
+    assert torch.equal(ops.rope(q, q, cos, sin)[1], ops.rope(q, q.clone(), cos, sin)[1])  # out of place: fine
+
+
 def test_empty(device):
     q = torch.randn(2, 4, 0, 16, device=device, requires_grad=True)
     k = torch.randn(2, 2, 0, 16, device=device, requires_grad=True)
@@ -262,6 +274,8 @@ def test_tables_opcheck_and_bad_input(device):
         ops.rope_tables(positions.float(), inv_freq)
     with pytest.raises(ValueError, match="inv_freq"):
         ops.rope_tables(positions, inv_freq[None])
+    with pytest.raises(TypeError, match="dtype"):  # (cos and sin of an int table would round to 0 and 1)
+        ops.rope_tables(positions, inv_freq, dtype=torch.int32)
 
 
 def test_optimize_gives_the_rotary_embedding_the_one_launch_tables(device):

@@ -122,7 +122,7 @@ def _targets_kernel(target_ptr, counts_ptr, n_rows, n_cols, ignore_index, BLOCK:
         valid += ok.to(tl.int32)
         bad += (ok & ((t < 0) | (t >= n_cols))).to(tl.int32)
     n_bad = tl.sum(bad, axis=0)
-    tl.device_assert(n_bad == 0, "cross_entropy: a target is outside [0, V) and is not ignore_index")
+    tl.device_assert(n_bad == 0, "a target class index or token id is outside [0, V) and is not ignore_index")
     tl.store(counts_ptr, tl.sum(valid, axis=0))
     tl.store(counts_ptr + 1, n_bad)
 
@@ -321,7 +321,8 @@ def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
     device_check = target.is_cuda and not traced
     launch(_targets_kernel, (1,), target, counts, target.numel(), n_cols, ignore_index, BLOCK=TARGET_BLOCK,
            **({"debug": True} if device_check else {}))
-    message = f"cross_entropy: a target is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
+    # every loss over class indices or token ids calls this (the GRPO and distillation losses too)
+    message = f"a target class index or token id is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
     if target.is_cuda and traced:
         torch._assert_async(counts[1] == 0, message)
     elif not target.is_cuda and not traced and counts[1].item():  # (traced: no values to check; the run checks them)

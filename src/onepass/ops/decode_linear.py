@@ -295,6 +295,8 @@ def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] 
     add after it), summed in fp32 and rounded once. For at most MAX_ROWS rows of x (a decode
     step); more rows run ``F.linear`` per weight.
     """
+    if isinstance(weights, Tensor):  # (list() would split one weight into its rows)
+        raise TypeError("weights must be a list of weight tensors, e.g. [w], got one tensor")
     weights = list(weights)  # (once: an iterator would be empty the second time)
     biases = _check(x, weights, biases, residual)
     if not _kernel_runs(x):

@@ -158,6 +158,8 @@ def check_softcap(softcap) -> None:
 
 
 def check_probability(name: str, p: float) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float, torch.SymInt, torch.SymFloat)):
+        raise TypeError(f"{name} must be a number, got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")
 

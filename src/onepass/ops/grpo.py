@@ -19,13 +19,15 @@ import math
 import torch
 from torch import Tensor
 
+from onepass.ops.dispatch import is_number
 from onepass.ops.sequence_loss import check_engine_options, check_inputs, sequence_loss
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def _check(token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, loss_type,
-           max_completion_length, importance_sampling_level, epsilon_low, epsilon_high, beta, delta):
+           max_completion_length, importance_sampling_level, epsilon_low, epsilon_high, beta, delta,
+           num_items_in_batch):
     batch, seq = token_ids.shape
     if not isinstance(attention_mask, Tensor) or attention_mask.shape != (batch, seq):
         raise ValueError(f"attention_mask must be a tensor of shape {(batch, seq)} (the completions' tokens)")
@@ -45,6 +47,10 @@ def _check(token_ids, attention_mask, advantages, ref_per_token_logps, old_per_t
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if delta is not None and not (isinstance(delta, (int, float)) and delta > 1):
         raise ValueError(f"delta (the upper clamp of the ratio) must be None or a number > 1, got {delta!r}")
+    # a tensor's value is not read here (a device sync); a number of 0 would have the loss divided by 1
+    if num_items_in_batch is not None and not isinstance(num_items_in_batch, Tensor) and not (
+            is_number(num_items_in_batch) and num_items_in_batch > 0):
+        raise ValueError(f"num_items_in_batch must be None, a tensor or a positive count, got {num_items_in_batch!r}")
 
 
 def linear_grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, attention_mask: Tensor, advantages: Tensor,
@@ -77,7 +83,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, attentio
                  if ref_hidden is not None or ref_weight is not None else None, target_name="token_ids")
     check_engine_options(temperature, chunk_size, accum_dtype, weight)
     _check(token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, loss_type,
-           max_completion_length, importance_sampling_level, epsilon_low, epsilon_high, beta, delta)
+           max_completion_length, importance_sampling_level, epsilon_low, epsilon_high, beta, delta, num_items_in_batch)
     batch, seq = token_ids.shape
     dev = hidden.device
     mask = attention_mask.to(device=dev, dtype=torch.float32)

@@ -162,7 +162,8 @@ def _check(x, weight, lora_a, lora_b, scaling, bias, dropout_p):
         raise ValueError(f"lora_b must be [{n}, {rank}] (weight's out_features, lora_a's rank), "
                          f"got {tuple(lora_b.shape)}")
     if not is_number(scaling):
-        raise TypeError(f"scaling must be a finite number, got {scaling!r}")
+        bad_value = isinstance(scaling, float)  # nan or inf: a number, but not a usable one
+        raise (ValueError if bad_value else TypeError)(f"scaling must be a finite number, got {scaling!r}")
     check_probability("dropout_p", dropout_p)
     check_same_device(x=x, weight=weight, lora_a=lora_a, lora_b=lora_b, bias=bias)
 
