@@ -93,7 +93,9 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
     plain RMSNorm, 32 for LayerNorm and the add_* forms (benchmarks/tune_rowwise.py norm,
     results/h200/tune_norm_bwd.log). Plain RMSNorm counts them over the row's width rounded down to a
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
-    (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log). Wide rows:
+    (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log), and at most 8 warps: a row of
+    8192 ran 2-5% faster with 8 than with 16 on the H100 (tune_cells.log) and the H200 (h200/tune_norm_wide_fwd.log,
+    run 1), its 4096 x 8192 cell 0.6% slower on the H100. Wide rows:
     WIDE_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
     (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the programs still number two an SM: fewer, larger
     programs read narrow rows faster; four or eight rows were slower than two, and the add_* forms gained
@@ -102,7 +104,7 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
         return (*WIDE_NORM_FWD, 1)
     if is_rms and not has_residual:
         block, _ = row_settings(n_cols)
-        num_warps = row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1]
+        num_warps = min(8, row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1])
     else:
         block, num_warps = row_settings(n_cols, values_per_thread=32)
     rows = 2 if block <= PAIR_BLOCK and not has_residual and n_rows >= 4 * sms else 1
