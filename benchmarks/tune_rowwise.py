@@ -1,7 +1,7 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
     python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [wide-fwd]
-                                      [wide-fwd-operands] [wide-fwd-rows] [activation]
+                                      [wide-fwd-operands] [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -209,27 +209,6 @@ def sweep_norm_fwd_operands(copy):
     norm.fwd_settings = saved
 
 
-def sweep_norm_fwd_wide_rows(copy):
-    """The wide forward (blocks of 4096) holding 1 or 2 rows a program by warps: two rows share pass 2's
-    weight and bias loads, which cost LayerNorm about half its shortfall (wide-fwd-operands)."""
-    saved = norm.fwd_settings
-    for form, (rows, n) in itertools.product(("rms", "layer", "add_layer"), ((4096, 12288), (16384, 12288),
-                                                                              (16384, 16384), (65536, 16384))):
-        is_rms = form == "rms"
-        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-        w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        residual = torch.randn_like(x) if form == "add_layer" else None
-        step = functools.partial(norm._norm_fwd_launch, x, residual, w, None if is_rms else b, 1e-5, 0.0, 0.0, 0,
-                                 is_rms, x.dtype)
-        moved = (4 if residual is not None else 2) * x.numel() * 2
-        for per_program, warps in itertools.product((1, 2), (8, 16, 32)):
-            norm.fwd_settings = lambda *_, w_=warps, r_=per_program: (4096, w_, r_)
-            us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
-            print(f"norm {form} fwd {rows}x{n} rows={per_program} warps={warps:<3} {us:8.1f} us "
-                  f"{moved / us / 1e3 / copy:6.1%}", flush=True)
-        norm.fwd_settings = saved
-
-
 def sweep_activation(copy):
     n = 8192
     g = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
@@ -305,8 +284,6 @@ if __name__ == "__main__":
         sweep_norm_fwd_wide(ceilings.copy_gbps)
     if "wide-fwd-operands" in parts:
         sweep_norm_fwd_operands(ceilings.copy_gbps)
-    if "wide-fwd-rows" in parts:
-        sweep_norm_fwd_wide_rows(ceilings.copy_gbps)
     if "wide-layer" in parts:
         sweep_layer_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:

@@ -206,57 +206,50 @@ def _norm_fwd_kernel(
             y += b.to(tl.float32)
         tl.store(y_ptr + r * y_row_stride + c, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # Rows longer than one block, ROWS at a time ([ROWS, BLOCK_N] tiles: pass 2's weight and bias
-        # loads serve them all): pass 1 takes the sums (and writes h), pass 2 normalises, re-reading the
-        # rows from L2 (pass 1's loads ask L2 to keep them, pass 2's to drop them). LayerNorm sums h - shift
+        row = tl.program_id(0).to(tl.int64)
+        # Rows longer than one block: pass 1 takes the sums (and writes h), pass 2 normalises, re-reading
+        # the row from L2 (pass 1's loads ask L2 to keep it, pass 2's to drop it). LayerNorm sums h - shift
         # and its square, the shift being the first block's mean: mean and variance in one pass, without the
         # cancellation of plain sums of h and h^2 on a row whose mean is large against its spread.
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < n_rows
-        r, c = rows[:, None], cols[None, :]
-        m = row_ok[:, None] & (c < n_cols)  # the first block: every column is in the row
-        h = _load_h(x_ptr, res_ptr, r, x_row_stride, res_row_stride, c, m, n_cols, dropout_p, seed,
-                    HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
+        h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, cols < n_cols, n_cols, dropout_p,
+                    seed, HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
         if HAS_RESIDUAL:
-            h = _store_h(h, h_ptr, r, h_row_stride, c, m)
-        if IS_RMS:
-            shift = tl.zeros([ROWS], tl.float32)
-        else:
-            shift = tl.sum(h, axis=1) / BLOCK_N
-        acc_d = h - shift[:, None]
+            h = _store_h(h, h_ptr, row, h_row_stride, cols, cols < n_cols)
+        shift = 0.0 if IS_RMS else tl.sum(h, axis=0) / BLOCK_N  # the row is wider than one block
+        acc_d = h - shift
         acc_sq = acc_d * acc_d
         for start in range(BLOCK_N, n_cols, BLOCK_N):
-            c = start + cols[None, :]
-            m = row_ok[:, None] & (c < n_cols)
-            h = _load_h(x_ptr, res_ptr, r, x_row_stride, res_row_stride, c, m, n_cols, dropout_p, seed,
+            c = start + cols
+            m = c < n_cols
+            h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, c, m, n_cols, dropout_p, seed,
                         HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
             if HAS_RESIDUAL:
-                h = _store_h(h, h_ptr, r, h_row_stride, c, m)
-            d = tl.where(m, h - shift[:, None], 0.0)
+                h = _store_h(h, h_ptr, row, h_row_stride, c, m)
+            d = tl.where(m, h - shift, 0.0)
             acc_d += d
             acc_sq += d * d
         if IS_RMS:
-            mean = shift  # (zero)
-            var = tl.sum(acc_sq, axis=1) / n_cols
+            mean = 0.0
+            var = tl.sum(acc_sq, axis=0) / n_cols
         else:
-            mean_d = tl.sum(acc_d, axis=1) / n_cols
+            mean_d = tl.sum(acc_d, axis=0) / n_cols
             mean = shift + mean_d
-            var = tl.maximum(tl.sum(acc_sq, axis=1) / n_cols - mean_d * mean_d, 0.0)
+            var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
         rstd = 1.0 / tl.sqrt(var + eps)
-        src = h_ptr + r * h_row_stride if HAS_RESIDUAL else x_ptr + r * x_row_stride
         for start in range(0, n_cols, BLOCK_N):
-            col = start + cols
-            m = row_ok[:, None] & (col < n_cols)[None, :]
-            h = tl.load(src + col[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            y = (h - mean[:, None]) * rstd[:, None]
+            c = start + cols
+            m = c < n_cols
+            src = h_ptr + row * h_row_stride if HAS_RESIDUAL else x_ptr + row * x_row_stride
+            h = tl.load(src + c, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            y = (h - mean) * rstd
             if HAS_WEIGHT:
-                y *= tl.load(w_ptr + col, mask=col < n_cols, other=0.0).to(tl.float32)[None, :] + w_offset
+                y *= tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) + w_offset
             if HAS_BIAS:
-                y += tl.load(b_ptr + col, mask=col < n_cols, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + r * y_row_stride + col[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+                y += tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(y_ptr + row * y_row_stride + c, y.to(y_ptr.dtype.element_ty), mask=m)
         if not IS_RMS:
-            tl.store(mean_ptr + rows, mean, mask=row_ok)
-        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+            tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
