@@ -108,15 +108,16 @@ def sweep_layer_norm(copy):
 
 @triton.jit
 def rope_head_major(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, seq, n_q_heads, n_heads, cos_batch_stride,
-                    HALF: tl.constexpr, T: tl.constexpr):
-    """bhsd, contiguous q/k, full-width [B, S, 2*HALF] tables; program = (token block, batch x head)."""
+                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, T: tl.constexpr):
+    """bhsd, contiguous q/k, full-width [B, S, 2*HALF] tables; program = (token block, batch x head): each
+    program's q or k rows are one contiguous run of T x 2*HALF values."""
     tb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     bidx = bh // n_heads
     head = bh % n_heads
     toks = tb * T + tl.arange(0, T)
-    ok = (toks < seq)[:, None]
-    i = tl.arange(0, HALF)[None, :]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = (toks < seq)[:, None] & (i < HALF)
     tab = cos_ptr + bidx * cos_batch_stride + toks[:, None].to(tl.int64) * (2 * HALF) + i
     stab = sin_ptr + bidx * cos_batch_stride + toks[:, None].to(tl.int64) * (2 * HALF) + i
     c1 = tl.load(tab, mask=ok, other=0.0).to(tl.float32)
@@ -136,6 +137,14 @@ def rope_head_major(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, seq, n_q_hea
     x2 = tl.load(src + p + HALF, mask=ok, other=0.0).to(tl.float32)
     tl.store(dst + p, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=ok)
     tl.store(dst + p + HALF, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=ok)
+
+
+def run_head_major(q, k, qo, ko, cos, sin, t, warps):
+    batch, q_heads, seq, d = q.shape
+    heads = q_heads + k.shape[1]
+    rope_head_major[(triton.cdiv(seq, t), batch * heads)](
+        q, k, qo, ko, cos, sin, seq, q_heads, heads, cos.stride(0), HALF=d // 2,
+        BLOCK_HALF=triton.next_power_of_2(d // 2), T=t, num_warps=warps)
 
 
 def sweep_rope(copy):
@@ -170,9 +179,7 @@ def sweep_rope(copy):
     for t, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8)):
         if t * 64 // (32 * warps) < 2:
             continue
-        grid = (triton.cdiv(SEQ, t), BATCH * (Q_HEADS + K_HEADS))
-        g, wall = timeit(functools.partial(rope_head_major[grid], q, k, qo, ko, cos, sin, SEQ, Q_HEADS,
-                                           Q_HEADS + K_HEADS, cos.stride(0), HALF=HEAD_DIM // 2, T=t, num_warps=warps))
+        g, wall = timeit(functools.partial(run_head_major, q, k, qo, ko, cos, sin, t, warps))
         err = max((qo.float() - q_ref.float()).abs().max().item(), (ko.float() - k_ref.float()).abs().max().item())
         print(f"rope head-major T={t:<3} warps={warps}  graph {g*1e3:6.1f} us {nbytes/g/1e6/copy:6.1%}  "
               f"wall {wall*1e3:6.1f} us  max diff vs production {err:.3g}")
@@ -182,12 +189,13 @@ def sweep_rope_head_dims(copy):
     """The production kernel by heads a program (BLOCK_H) and warps at the sweep's head dims. A head
     of 80 or 96 dims runs in half-blocks of 64 lanes (40 or 48 used), so at the tile rule's BLOCK_H
     (TILE_ELEMENTS over the padded head) a program moves 62% or 75% of the bytes a 128-dim one does;
-    the H200 sweep had these dims at 0.84-0.92x torch.compile (results/h200/sweep.md)."""
+    the H200 sweep had these dims at 0.84-0.92x torch.compile (results/h200/sweep.md). Then the head-major
+    grid (contiguous runs of T tokens of one head a program, as torch.compile's flat kernel reads them)."""
     from onepass.bench.suites.rope import K_HEADS, Q_HEADS, _hf_rope, _tables
     batch, seq = 4, 16384
     orig_settings, orig_warps = rope._settings, rope.NUM_WARPS
-    compiled = torch.compile(_hf_rope())
     for d in (64, 80, 96, 128):
+        compiled = torch.compile(_hf_rope(), dynamic=False)  # (one compile a head dim: not a dynamic-shape kernel)
         q = torch.randn(batch, Q_HEADS, seq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, K_HEADS, seq, d, device="cuda", dtype=torch.bfloat16)
         cos, sin = _tables(batch, seq, d)
@@ -196,7 +204,7 @@ def sweep_rope_head_dims(copy):
 
         def report(label, fn):
             g, _ = timeit(fn)
-            print(f"rope d={d:<3} {label:<24} graph {g*1e3:7.1f} us {nbytes/g/1e6/copy:6.1%}", flush=True)
+            print(f"rope d={d:<3} {label:<36} graph {g*1e3:7.1f} us {nbytes/g/1e6/copy:6.1%}", flush=True)
 
         report(f"production {orig_settings(d, d, Q_HEADS)[0]}x{orig_warps}", lambda: ops.rope(q, k, cos, sin))
         report("torch.compile", lambda: compiled(q, k, cos, sin))
@@ -207,6 +215,12 @@ def sweep_rope_head_dims(copy):
             assert torch.equal(qo, q_ref) and torch.equal(ko, k_ref)
             report(f"block_h={block_h} warps={warps}", lambda: ops.rope(q, k, cos, sin))
         rope._settings, rope.NUM_WARPS = orig_settings, orig_warps
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        for t, warps in itertools.product((8, 16, 32), (1, 2, 4)):
+            run_head_major(q, k, qo, ko, cos, sin, t, warps)
+            diff = max((qo.float() - q_ref.float()).abs().max().item(), (ko.float() - k_ref.float()).abs().max().item())
+            report(f"head-major T={t} warps={warps} (max diff {diff:.2g})",
+                   functools.partial(run_head_major, q, k, qo, ko, cos, sin, t, warps))
 
 
 if __name__ == "__main__":
