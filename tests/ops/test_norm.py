@@ -1,3 +1,6 @@
+import itertools
+
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +81,21 @@ def test_wide_row_backward(kind, device):
     res = torch.randn(3, 9000, device=device) if kind.startswith("add") else None
     b = torch.randn(9000, device=device) if kind.endswith("layer") else None
     _check_against_reference(kind, x, res, torch.randn(9000, device=device), b, torch.float32)
+
+
+def test_dropout_p_as_a_numpy_or_tensor_scalar(device):
+    x, res = torch.randn(4, 64, device=device), torch.randn(4, 64, device=device)
+    expected = ops.add_rms_norm(x, res, dropout_p=0.25, seed=3)
+    for p in (np.float32(0.25), torch.tensor(0.25)):
+        assert all(torch.equal(a, b) for a, b in zip(ops.add_rms_norm(x, res, dropout_p=p, seed=3), expected))
+
+
+def test_every_form_reads_rows_past_the_wide_width_in_blocks():
+    """Past WIDE_ROW the forward loops over blocks (WIDE_NORM_FWD), RMSNorm too: one block padded to a
+    power of two (a row of 12288 in 16384) ran 10% slower on the H200 (results/h200/tune_norm_wide_fwd.log)."""
+    for is_rms, has_residual in itertools.product((True, False), repeat=2):
+        assert norm.fwd_settings(12288, 4096, is_rms, has_residual, 132) == (*norm.WIDE_NORM_FWD, 1)
+        assert norm.fwd_settings(8192, 4096, is_rms, has_residual, 132)[0] == 8192  # one block up to WIDE_ROW
 
 
 @pytest.mark.parametrize("kind", ["layer", "add_layer"])
@@ -261,6 +279,7 @@ def test_opcheck(device):
     (lambda x, w: ops.add_rms_norm(x, x, w, dropout_p=1.0), ValueError, "dropout_p"),
     (lambda x, w: ops.add_layer_norm(x, x, w, dropout_p=-0.1), ValueError, "dropout_p"),
     (lambda x, w: ops.add_rms_norm(x, x, w, dropout_p="0.1"), TypeError, "dropout_p must be a number"),
+    (lambda x, w: ops.add_rms_norm(x, None, w, dropout_p=0.1), ValueError, "needs a residual"),
     (lambda x, w: ops.rms_norm(x, w.to("meta")), ValueError, "device"),
     (lambda x, w: ops.rms_norm(x, "weight"), TypeError, "weight"),
     (lambda x, w: ops.rms_norm(x, w, eps=-1.0), ValueError, "eps"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,6 +261,11 @@ def test_bad_input_raises_clearly():
         linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0), mask, adv, temperature=0)
     with pytest.raises(ValueError, match="num_items_in_batch"):  # (a count of 0 would divide by 1)
         linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0), mask, adv, num_items_in_batch=0)
+    counted = [linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0), mask, adv, num_items_in_batch=n)[0]
+               for n in (6, np.int64(6))]
+    assert torch.equal(*counted)
+    linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0), mask, adv, loss_type="bnpo",
+                     num_items_in_batch=0)  # (not read by bnpo)
     with pytest.raises(ValueError, match="token id is outside"):
         linear_grpo_loss(x["hidden"], x["weight"], x["target"].clamp(min=0) + 10**6, mask, adv)
 

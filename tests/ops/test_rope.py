@@ -166,6 +166,8 @@ def test_inplace_refuses_one_tensor_as_q_and_k(device):
             ops.rope(q, k, cos, sin, inplace=True)
     assert torch.equal(q, before)
     assert torch.equal(ops.rope(q, q, cos, sin)[1], ops.rope(q, q.clone(), cos, sin)[1])  # out of place: fine
+    meta = [torch.empty(1, 2, 3, 8, device="meta") for _ in range(2)]  # (no addresses: both read 0)
+    assert ops.rope(*meta, *(torch.empty(1, 3, 8, device="meta"),) * 2, inplace=True)[0] is meta[0]
 
 
 def test_empty(device):
@@ -276,6 +278,7 @@ def test_tables_opcheck_and_bad_input(device):
         ops.rope_tables(positions, inv_freq[None])
     with pytest.raises(TypeError, match="dtype"):  # (cos and sin of an int table would round to 0 and 1)
         ops.rope_tables(positions, inv_freq, dtype=torch.int32)
+    assert ops.rope_tables(positions, inv_freq, dtype=torch.float64)[0].dtype == torch.float64
 
 
 def test_optimize_gives_the_rotary_embedding_the_one_launch_tables(device):

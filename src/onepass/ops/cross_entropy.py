@@ -310,6 +310,12 @@ def _cross_entropy_bwd_kernel(grad_ptr, dloss_ptr, grad_row_stride, dloss_stride
 # ---------------------------------------------------------------------------- launchers
 
 
+def out_of_range_message(n_cols: int, ignore_index: int) -> str:
+    """The error of a target outside [0, n_cols): every loss over class indices or token ids raises it (the GRPO
+    and distillation losses too)."""
+    return f"a target class index or token id is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
+
+
 def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
     """int32 [valid, out of range] counts of a flat target, on its device; raises (CPU) or
     fails on the device (CUDA, no sync) if a target is outside [0, n_cols)."""
@@ -321,8 +327,7 @@ def count_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
     device_check = target.is_cuda and not traced
     launch(_targets_kernel, (1,), target, counts, target.numel(), n_cols, ignore_index, BLOCK=TARGET_BLOCK,
            **({"debug": True} if device_check else {}))
-    # every loss over class indices or token ids calls this (the GRPO and distillation losses too)
-    message = f"a target class index or token id is outside [0, {n_cols}) and is not ignore_index={ignore_index}"
+    message = out_of_range_message(n_cols, ignore_index)
     if target.is_cuda and traced:
         torch._assert_async(counts[1] == 0, message)
     elif not target.is_cuda and not traced and counts[1].item():  # (traced: no values to check; the run checks them)

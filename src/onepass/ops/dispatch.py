@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import os
 from typing import Iterator
 
@@ -158,7 +159,8 @@ def check_softcap(softcap) -> None:
 
 
 def check_probability(name: str, p: float) -> None:
-    if isinstance(p, bool) or not isinstance(p, (int, float, torch.SymInt, torch.SymFloat)):
+    if isinstance(p, bool) or not (isinstance(p, (numbers.Real, torch.SymInt, torch.SymFloat))
+                                   or (isinstance(p, torch.Tensor) and p.dim() == 0)):
         raise TypeError(f"{name} must be a number, got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")

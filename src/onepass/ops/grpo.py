@@ -15,11 +15,11 @@ summed over the ``attention_mask``'s tokens and normalised per ``loss_type``, as
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
 
-from onepass.ops.dispatch import is_number
 from onepass.ops.sequence_loss import check_engine_options, check_inputs, sequence_loss
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -47,9 +47,11 @@ def _check(token_ids, attention_mask, advantages, ref_per_token_logps, old_per_t
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if delta is not None and not (isinstance(delta, (int, float)) and delta > 1):
         raise ValueError(f"delta (the upper clamp of the ratio) must be None or a number > 1, got {delta!r}")
-    # a tensor's value is not read here (a device sync); a number of 0 would have the loss divided by 1
-    if num_items_in_batch is not None and not isinstance(num_items_in_batch, Tensor) and not (
-            is_number(num_items_in_batch) and num_items_in_batch > 0):
+    # read by "dapo" only; a tensor's value is not read here (a device sync); a count of 0 would have the
+    # loss divided by 1
+    count = num_items_in_batch
+    if loss_type == "dapo" and count is not None and not isinstance(count, Tensor) and (
+            isinstance(count, bool) or not isinstance(count, numbers.Real) or not 0 < count < math.inf):
         raise ValueError(f"num_items_in_batch must be None, a tensor or a positive count, got {num_items_in_batch!r}")
 
 

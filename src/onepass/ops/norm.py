@@ -74,7 +74,7 @@ from onepass.ops.dispatch import (
 from onepass.ops.partials import sum_partials
 
 # Past this many values a row is wide: a program's registers hold no more of it with the norm's state.
-# The backward splits a wide row's columns (or holds RMSNorm's, up to MAX_ROW_BLOCK, as one block);
+# The backward splits a wide row's columns (or holds it, up to MAX_ROW_BLOCK, as one block);
 # the forward reads it in blocks (WIDE_NORM_FWD).
 WIDE_ROW = 8192
 
@@ -544,6 +544,8 @@ def _check(x, residual, weight, bias, dropout_p, eps, out_dtype=None, offset=0.0
     check_vector("weight", weight, x.shape[-1])
     check_vector("bias", bias, x.shape[-1])
     check_probability("dropout_p", dropout_p)
+    if dropout_p > 0 and residual is None:
+        raise ValueError("dropout_p drops from x before the residual add: it needs a residual tensor")
     check_same_device(x=x, residual=residual, weight=weight, bias=bias)
 
 

@@ -338,8 +338,8 @@ def _check(q, k, cos, sin, position_ids, layout, style, inplace):
             raise ValueError("inplace=True is for inference: q and k must not require grad (use inplace=False)")
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             raise ValueError("inplace=True needs q and k with a unit stride along the head dim")
-        if q is k or (not torch.compiler.is_compiling() and q.numel() and k.numel()
-                      and q.data_ptr() == k.data_ptr()):  # (a traced tensor has no address)
+        if q is k or (not torch.compiler.is_compiling() and q.device.type != "meta" and q.numel() and k.numel()
+                      and q.data_ptr() == k.data_ptr()):  # (a traced or meta tensor has no address)
             raise ValueError("inplace=True needs q and k in separate memory: one tensor passed as both would be "
                              "rotated twice")
     check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
@@ -412,8 +412,8 @@ def rope_tables(position_ids: Tensor, inv_freq: Tensor, scaling: float = 1.0,
         raise ValueError(f"position_ids must be an integer tensor [batch, seq], got "
                          f"{tuple(position_ids.shape) if isinstance(position_ids, Tensor) else type(position_ids)}")
     check_float("inv_freq", inv_freq)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+    if dtype not in (*FLOAT_DTYPES, torch.float64):
+        raise TypeError(f"dtype must be a float dtype (float32, float16, bfloat16 or float64), got {dtype}")
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be 1-D [head_dim / 2], got shape {tuple(inv_freq.shape)}")
     check_same_device(position_ids=position_ids, inv_freq=inv_freq)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onepass.ops.cross_entropy import ce_rows, consume_forward_grad, count_targets, scaled_grad
+from onepass.ops.cross_entropy import ce_rows, consume_forward_grad, count_targets, out_of_range_message, scaled_grad
 from onepass.ops.dispatch import (
     check_dtype_option,
     check_float,
@@ -268,6 +268,9 @@ class _SequenceLoss(torch.autograd.Function):
 
 def _reference(hidden, weight, bias, target, ref, loss_of, temperature, ignore_index):
     """The plain PyTorch definition: the whole batch's logits, a float32 (or float64) log-softmax, autograd."""
+    n_vocab = weight.shape[0]
+    if not target.is_cuda and ((target != ignore_index) & ((target < 0) | (target >= n_vocab))).any():
+        raise ValueError(out_of_range_message(n_vocab, ignore_index))  # (as the kernels' path; on a GPU: no sync)
     def logps_of(h, w, b):
         z = F.linear(h, w, b).to(torch.promote_types(h.dtype, torch.float32)) / temperature
         ok = target != ignore_index
