@@ -6,7 +6,8 @@
     onepass.undo(model)                         # back to the model as loaded
 
 The model is patched in place, instance by instance (other models in the process are
-untouched): norm modules become ``onepass.nn`` drop-ins sharing their Parameters (state_dict
+untouched; the model gets its own copy of its config, which ``from_config`` shares between the
+models built from one config object): norm modules become ``onepass.nn`` drop-ins sharing their Parameters (state_dict
 keys and checkpoints unchanged both ways), and decoder layers, MLPs, attention blocks and
 the causal-LM head get fused forwards, each part recognised by what it computes and checked on
 a probe of the model (see ``onepass.models.decoder``). Attention goes
@@ -21,6 +22,7 @@ runs every onepass op as its plain PyTorch reference (same patched model, no Tri
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -127,6 +129,7 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
         warnings.warn(f"onepass.optimize: {untested}", stacklevel=2)
     patches = Patches()
     try:
+        _own_config(patches, hf)
         status = patch(hf, patches, switches)
         if lora:
             status["lora"] = patch_lora(patches, hf)
@@ -145,6 +148,18 @@ def optimize(model: nn.Module, *, norm: bool = True, activation: bool = True, ro
                       "PyTorch reference (nothing fused runs; TRITON_INTERPRET=1 runs the kernels through Triton's "
                       "interpreter): move it to a CUDA GPU", stacklevel=2)
     return model
+
+
+def _own_config(patches: Patches, hf: nn.Module) -> None:
+    """Give ``hf``'s modules a deep copy of their config objects (undone with the patches): models built
+    from one config object share it, and the attention switch (``set_attn_implementation``) would reach
+    every one of them, undoing one model's switch another's."""
+    copies: dict = {}
+    copy.deepcopy(hf.config, copies)  # (copies: id of each original object -> its copy, sub-configs too)
+    for module in hf.modules():
+        config = module.__dict__.get("config")
+        if config is not None and id(config) in copies and type(copies[id(config)]) is type(config):
+            patches.set(module, "config", copies[id(config)])
 
 
 def undo(model: nn.Module) -> nn.Module:

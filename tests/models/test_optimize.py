@@ -11,6 +11,7 @@ import warnings
 import pytest
 import tiny_models as tiny
 import torch
+import transformers as tf
 
 import onepass
 from onepass.models.cache import cache_keyword
@@ -214,6 +215,27 @@ def test_undo_restores_the_model(family, device):
     onepass.optimize(model, rope=False)  # optimizable again after undo
     with pytest.raises(RuntimeError, match="already optimized"):
         onepass.optimize(model)
+
+
+def test_models_sharing_a_config_object_are_optimized_and_undone_apart(device):
+    """from_config shares its config object between the models it builds; optimizing one (its attention
+    switch writes the config) must leave the other as it is, and each undo restore its own model only."""
+    config = tiny.CONFIGS["llama"]()
+    first, second = (tf.AutoModelForCausalLM.from_config(config).to(device) for _ in range(2))
+    assert first.config is second.config
+    before = config._attn_implementation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(first)
+        assert first.config._attn_implementation == "onepass"
+        assert second.config._attn_implementation == before and config._attn_implementation == before
+        assert all(m.config is first.config for m in first.modules() if "config" in m.__dict__)
+        onepass.optimize(second)
+        onepass.undo(first)
+    assert first.config is config and config._attn_implementation == before
+    assert second.config._attn_implementation == "onepass"
+    onepass.undo(second)
+    assert second.config is config and config._attn_implementation == before
 
 
 def test_switches_and_report(device):
@@ -782,6 +804,22 @@ def test_head_wrapped_or_hooked_after_optimize_is_honoured(device):
     plain.train()
     plain(ids, labels=ids)
     assert seen == [(*ids.shape, tiny.VOCAB)]
+
+
+def test_head_replaced_after_optimize_trains_as_hugging_face(device):
+    """A new lm_head put in after optimize (resize_token_embeddings of an untied model puts in a new
+    nn.Linear) lacks the patched forward: the loss runs Hugging Face's, with a warning (it was a
+    TypeError from the fused path calling the plain head with the loss's arguments)."""
+    model, ref = _pair("llama", device)
+    torch.manual_seed(5)
+    head = torch.nn.Linear(32, tiny.VOCAB, bias=False).to(device)
+    model.lm_head, ref.lm_head = head, copy.deepcopy(head)
+    ids = _batch().to(device)
+    with pytest.warns(UserWarning, match="lm_head was replaced"):
+        loss, grads = _loss_and_grads(model, ids)
+    ref_loss, ref_grads = _loss_and_grads(ref, ids)
+    _assert_close(loss, ref_loss, "loss")
+    _assert_close(grads["lm_head.weight"], ref_grads["lm_head.weight"], "d lm_head.weight")
 
 
 def test_peft_lora_falls_back_where_unfused(device):

@@ -9,6 +9,7 @@ LM's cross-entropy; the model's probe checks the first (``onepass.models.probe``
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Callable
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from onepass import ops
 from onepass.models import distributed, probe, tied_embedding
 from onepass.models.cache import CACHE_KEYWORDS, cache_keyword, pop_cache, unfilled_cache_type
-from onepass.models.patches import FUSED, UNFUSED, Patches, hooked
+from onepass.models.patches import FUSED, UNFUSED, InstanceForward, Patches, hooked
 
 
 def _fused_keywords(model_class: type) -> frozenset[str]:
@@ -105,12 +106,25 @@ def causal_lm_forward(original: Callable, softcap: float | None, scale: float | 
 
 
 def _fusable_head(head: nn.Module) -> bool:
-    """Whether the LM head runs the fused loss: a plain ``nn.Linear`` without hooks, or one
-    that FSDP2 made a unit of its own with only FSDP's hooks (which gather its weight around
-    the call, whatever the call computes)."""
+    """Whether the LM head runs the fused loss: the head optimize patched (see _patched_head), a plain
+    ``nn.Linear`` without hooks, or one that FSDP2 made a unit of its own with only FSDP's hooks
+    (which gather its weight around the call, whatever the call computes)."""
     if type(head) is nn.Linear:
-        return not hooked(head)
-    return type(head).__bases__[1:] == (nn.Linear,) and not hooked() and distributed.fsdp_hooks_only(head)
+        return not hooked(head) and _patched_head(head)
+    return (type(head).__bases__[1:] == (nn.Linear,) and not hooked() and distributed.fsdp_hooks_only(head)
+            and _patched_head(head))
+
+
+def _patched_head(head: nn.Module) -> bool:
+    """Whether ``head`` still has the forward optimize gave it; a head put in since (``resize_token_embeddings``
+    of an untied model, an assignment) has its own, so the loss runs as Hugging Face's, with a warning."""
+    forward = head.__dict__.get("forward")
+    if isinstance(forward, InstanceForward) and forward._make[0] is lm_head_forward:
+        return True
+    warnings.warn("onepass: the model's lm_head was replaced after onepass.optimize (e.g. by "
+                  "resize_token_embeddings), so its loss runs unfused; onepass.undo(model) then "
+                  "onepass.optimize(model) fuses it again", stacklevel=4)
+    return False
 
 
 def lm_head_forward() -> Callable:
