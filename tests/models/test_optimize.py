@@ -238,6 +238,18 @@ def test_models_sharing_a_config_object_are_optimized_and_undone_apart(device):
     assert second.config is config and config._attn_implementation == before
 
 
+def test_attention_reported_unfused_where_transformers_keeps_its_own(device):
+    """Falcon refuses set_attn_implementation after loading (transformers logs why): the report says
+    attention is unfused, as it runs (it said fused)."""
+    model = tf.AutoModelForCausalLM.from_config(tf.FalconConfig(vocab_size=tiny.VOCAB, hidden_size=32,
+                                                                num_hidden_layers=1, num_attention_heads=4)).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onepass.optimize(model)
+    assert model.config._attn_implementation != "onepass"
+    assert onepass.optimize_report(model)["attention"].startswith("unfused")
+
+
 def test_switches_and_report(device):
     model, ref = _pair("llama", device, norm=False, activation=False, rope=False, attention=False, loss=False,
                        lora=False, recompute=False)

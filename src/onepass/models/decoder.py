@@ -39,6 +39,8 @@ def use_onepass_attention(patches: Patches, model: nn.Module) -> str:
     previous = model.config._attn_implementation
     model.set_attn_implementation("onepass")
     patches.on_undo(model, "set_attn_implementation", previous)
+    if model.config._attn_implementation != "onepass":  # (transformers declined it, with a message of its own)
+        return f"{UNFUSED}: {type(model).__name__} kept attn_implementation {previous!r}: transformers does not set it"
     return f"{FUSED}: attn_implementation 'onepass' (was {previous!r}); padding masks and decode use SDPA"
 
 
