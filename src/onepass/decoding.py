@@ -42,6 +42,8 @@ call ``model.eval()`` first, as for ``generate`` (dropout would run otherwise).
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 
 import torch
@@ -66,7 +68,7 @@ def _check_request(input_ids: Tensor, max_new_tokens: int) -> None:
                            if isinstance(input_ids, Tensor) else type(input_ids).__name__))
     if input_ids.shape[1] < 1:
         raise ValueError("input_ids must hold at least one prompt token a row")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
 
 
@@ -114,6 +116,11 @@ class Decoder:
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
         self.model, self.batch_size, self.max_len = model, batch_size, max_len
         self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0] if hasattr(head, "weight") else math.inf
+        outside = [i for i in (*_as_list(eos_token_id), *_as_list(pad_token_id)) if not 0 <= i < vocab]
+        if outside:  # (a pad token outside the vocabulary is fed to the embedding once a row ends)
+            raise ValueError(f"eos_token_id and pad_token_id must be token ids in [0, {vocab}), got {outside}")
         generation = getattr(model, "generation_config", None)
         eos = _as_list(eos_token_id if eos_token_id is not None else getattr(generation, "eos_token_id", None))
         pad = pad_token_id if pad_token_id is not None else getattr(generation, "pad_token_id", None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import tiny_models as tiny
 import torch
@@ -318,8 +319,10 @@ def test_bad_input_raises_clearly():
         decoder.generate(_prompts(batch=3), 2)
     with pytest.raises(ValueError, match="max_len=12"):
         decoder.generate(ids, 6)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        decoder.generate(ids, 0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            decoder.generate(ids, bad)
+    assert decoder.generate(ids, np.int64(2)).shape == (2, ids.shape[1] + 2)
     with pytest.raises(TypeError, match="input_ids"):
         decoder.generate(ids.float(), 2)
     right = torch.ones_like(ids)
@@ -335,7 +338,8 @@ def test_bad_input_raises_clearly():
     for bad, match in (({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
                        ({"top_k": 0}, "top_k"), ({"cuda_graph": True}, "cuda_graph"),
                        ({"temperature": None}, "temperature"), ({"top_p": None}, "top_p"),
-                       ({"temperature": float("nan")}, "temperature"), ({"batch_size": True}, "batch_size")):
+                       ({"temperature": float("nan")}, "temperature"), ({"batch_size": True}, "batch_size"),
+                       ({"pad_token_id": tiny.VOCAB}, "pad_token_id"), ({"eos_token_id": [2, -1]}, "eos_token_id")):
         with pytest.raises(ValueError, match=match):
             Decoder(model, **{"batch_size": 2, "max_len": 12, **bad})
     with pytest.raises(TypeError, match="causal LM"):
