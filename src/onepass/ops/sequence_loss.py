@@ -271,6 +271,7 @@ def _reference(hidden, weight, bias, target, ref, loss_of, temperature, ignore_i
     n_vocab = weight.shape[0]
     if not target.is_cuda and ((target != ignore_index) & ((target < 0) | (target >= n_vocab))).any():
         raise ValueError(out_of_range_message(n_vocab, ignore_index))  # (as the kernels' path; on a GPU: no sync)
+
     def logps_of(h, w, b):
         z = F.linear(h, w, b).to(torch.promote_types(h.dtype, torch.float32)) / temperature
         ok = target != ignore_index
