@@ -83,6 +83,22 @@ def test_train_floor_counts_what_trains():
     assert lora_bytes < bytes_ - 8 * 1.2e9 * 2  # 8 of every frozen weight's 10 passes gone
 
 
+def test_train_floor_of_gpt2_counts_its_conv1d_projections():
+    """GPT-2's config names no kv heads nor intermediate size and its projections are Conv1D (the
+    floor raised AttributeError): its matmul FLOPs are 6 a weight a token of every projection and the head."""
+    import torch
+
+    from onepass.bench.train import step_floor
+    from onepass.models.configs import build
+
+    model = build("gpt2", "meta", torch.bfloat16)
+    flops, _ = step_floor(model, 1, 128)
+    c = model.config
+    weights = c.n_layer * 12 * c.n_embd**2 + c.vocab_size * c.n_embd  # qkv, o, fc, proj; the (tied) head once
+    attention = 7 * 128**2 * c.n_embd * c.n_layer
+    assert abs(flops - (6 * 128 * weights + attention)) < 1e-3 * flops
+
+
 def test_only_writes_beside_the_full_results(tmp_path, monkeypatch):
     """--only X keeps each suite's full results: its rows go to <suite>-only-X, and a suite
     without a matching case writes nothing (every suite's results were rewritten, emptied)."""

@@ -124,6 +124,10 @@ def test_the_sweep_writes_every_cell_and_skips_the_too_large_and_those_past_its_
     cells = json.loads(path.read_text())["cells"]
     assert path.name == "sweep-quick-only-rope.json" and not ran
     assert [c["skipped"] for c in cells] == ["time budget: 0 minutes spent"] * 4
+    # a new run without --resume keeps the earlier one's file aside rather than writing over it
+    said, earlier = [], path.read_text()
+    sweep.run_sweep("quick", "rope", tmp_path, max_minutes=0, log=said.append)
+    assert path.with_suffix(".previous.json").read_text() == earlier and any("moved to" in line for line in said)
 
 
 def test_a_resumed_sweep_measures_only_what_the_budget_skipped(monkeypatch, tmp_path):
@@ -240,6 +244,10 @@ def test_the_commands(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.split() == [str(tmp_path / "sweep-quick.md")]
     assert main(["bench", "sweep-report", str(tmp_path / "nosuch.json")]) == 2
     assert "no file" in capsys.readouterr().err
+    for text in ("{not json", '{"cells": []}'):  # (the second: analyze's report, say: no env)
+        (tmp_path / "other.json").write_text(text)
+        assert main(["bench", "sweep-report", str(tmp_path / "other.json")]) == 2
+        assert "is not a sweep's JSON" in capsys.readouterr().err
     _fake_gpu(monkeypatch)
     assert main(["bench", "sweep", "--only", "attention", "--out", str(tmp_path)]) == 2
     assert "no op of the sweep's grids contains 'attention'" in capsys.readouterr().err

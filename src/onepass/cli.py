@@ -129,9 +129,17 @@ def _bench_sweep_report(args) -> int:
     if not Path(args.json).is_file():
         print(f"onepass bench sweep-report: no file {args.json}", file=sys.stderr)
         return 2
+    import json
+
     from onepass.bench.sweep import write_report
 
-    print("\n".join(map(str, write_report(args.json, args.out, log=lambda line: print(line, file=sys.stderr)))))
+    try:
+        written = write_report(args.json, args.out, log=lambda line: print(line, file=sys.stderr))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:  # not JSON, or not a sweep's
+        print(f"onepass bench sweep-report: {args.json} is not a sweep's JSON ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return 2
+    print("\n".join(map(str, written)))
     return 0
 
 

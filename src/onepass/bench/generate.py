@@ -131,6 +131,9 @@ def run(model: str = "llama-1b", batches: tuple[int, ...] = (1, 8), prompt: int 
     env = environment(ceilings)
     torch.manual_seed(0)
     hf_model = build(model, device="cuda")
+    positions = getattr(hf_model.config, "max_position_embeddings", None)
+    if positions is not None and prompt + new > positions:  # (GPT-2's learned positions end there)
+        raise ValueError(f"prompt {prompt} + new {new} tokens exceed {model}'s {positions} positions")
     rows, floors = [], {}
     for batch in batches:
         floor = floors[batch] = step_floor_ms(hf_model, batch, prompt, new, ceilings.copy_gbps)

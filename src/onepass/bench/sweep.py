@@ -240,6 +240,12 @@ def run_sweep(grid: str = "quick", only: str | None = None, out_dir: str | Path 
     env["runs"] = [*runs, _run_summary(env)]
     if earlier:
         log(f"resuming {path}: {len(earlier)} cells kept, run {len(env['runs'])}")
+    elif resume:
+        log(f"nothing to resume in {path}: every cell runs")
+    elif path.exists():  # an earlier sitting's cells: kept aside, not written over
+        kept = path.with_suffix(".previous.json")
+        path.replace(kept)
+        log(f"{path} was an earlier run's: moved to {kept} (--resume continues a run instead)")
     path.parent.mkdir(parents=True, exist_ok=True)
     results = {"env": env, "cells": []}
     path.write_text(json.dumps(results, indent=1))

@@ -177,15 +177,18 @@ def step_floor(model: torch.nn.Module, batch: int, seq: int) -> tuple[float, flo
     read twice; per layer and token the activations that must cross HBM once between
     matmuls: the two add+norm passes (4 h each way), rope (2 (q+k) each way), attention's
     q, k, v, o and their gradients (read q, k, v and write o, and as much again backward),
-    the gated MLP (3 i forward, 5 i backward).
+    the gated MLP (3 i forward, 5 i backward; GPT-2's ungated one counted the same).
     """
+    from transformers.pytorch_utils import Conv1D  # (GPT-2's projections)
+
     config = model.config
     h, layers = config.hidden_size, config.num_hidden_layers
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # (GPT-2's config names none)
     d = getattr(config, "head_dim", None) or h // heads
-    inter = config.intermediate_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     tokens = batch * seq
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m.weight for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
     flops = tokens * sum((6 if w.requires_grad else 4) * w.numel() for w in linears)
     flops += 7 * batch * seq * seq * heads * d * layers
     q, kv = heads * d, kv_heads * d
