@@ -158,7 +158,7 @@ def _own_config(patches: Patches, hf: nn.Module) -> None:
     copy.deepcopy(hf.config, copies)  # (copies: id of each original object -> its copy, sub-configs too)
     for module in hf.modules():
         config = module.__dict__.get("config")
-        if config is not None and id(config) in copies and type(copies[id(config)]) is type(config):
+        if config is not None and id(config) in copies:
             patches.set(module, "config", copies[id(config)])
 
 

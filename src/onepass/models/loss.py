@@ -106,9 +106,9 @@ def causal_lm_forward(original: Callable, softcap: float | None, scale: float | 
 
 
 def _fusable_head(head: nn.Module) -> bool:
-    """Whether the LM head runs the fused loss: the head optimize patched (see _patched_head), a plain
-    ``nn.Linear`` without hooks, or one that FSDP2 made a unit of its own with only FSDP's hooks
-    (which gather its weight around the call, whatever the call computes)."""
+    """Whether the LM head runs the fused loss: a plain ``nn.Linear`` without hooks, or one that FSDP2
+    made a unit of its own with only FSDP's hooks (which gather its weight around the call, whatever
+    the call computes), and in either case the head optimize patched (_patched_head)."""
     if type(head) is nn.Linear:
         return not hooked(head) and _patched_head(head)
     return (type(head).__bases__[1:] == (nn.Linear,) and not hooked() and distributed.fsdp_hooks_only(head)

@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops.dispatch import FLOAT_DTYPES, cdiv, is_number, launch, use_triton
+from onepass.ops.dispatch import FLOAT_DTYPES, cdiv, check_tensor_lists, is_number, launch, use_triton
 from onepass.reference.optim import bias_corrections
 
 # Values a program, warps: fixed (memory-bound, 16-byte loads); measured on an H200 only by a script not in the
@@ -175,9 +175,7 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     math runs in fp32 and each result is rounded once to its tensor's dtype (float64 tensors
     take the plain PyTorch update, in float64).
     """
-    for name, group in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-        if isinstance(group, Tensor):  # (iterating it would step its rows as separate tensors)
-            raise TypeError(f"{name} must be a list of tensors, e.g. [p], got one tensor")
+    check_tensor_lists(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
     step = _step_count(step)
     lr, beta1, beta2, eps, weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay)

@@ -56,6 +56,7 @@ from onepass.ops.dispatch import (
     check_float,
     check_linear,
     check_same_device,
+    check_tensor_lists,
     dependent_launch,
     interpreting,
     launch,
@@ -295,9 +296,7 @@ def decode_linear(x: Tensor, weights: list[Tensor], biases: list[Tensor | None] 
     add after it), summed in fp32 and rounded once. For at most MAX_ROWS rows of x (a decode
     step); more rows run ``F.linear`` per weight.
     """
-    for name, group in (("weights", weights), ("biases", biases)):
-        if isinstance(group, Tensor):  # (list() would split one tensor into its rows)
-            raise TypeError(f"{name} must be a list of tensors, e.g. [w], got one tensor")
+    check_tensor_lists(weights=weights, biases=biases)
     weights = list(weights)  # (once: an iterator would be empty the second time)
     biases = _check(x, weights, biases, residual)
     if not _kernel_runs(x):

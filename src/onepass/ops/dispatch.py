@@ -101,6 +101,14 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
+def check_tensor_lists(**groups) -> None:
+    """Each argument a list (or other iterable) of tensors, not one tensor: iterating one would take its
+    rows for separate tensors."""
+    for name, group in groups.items():
+        if isinstance(group, torch.Tensor):
+            raise TypeError(f"{name} must be a list of tensors, e.g. [t], got one tensor")
+
+
 def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.shape != ref.shape:
         raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}")
