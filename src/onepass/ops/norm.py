@@ -94,9 +94,8 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
     results/h200/tune_norm_bwd.log). Plain RMSNorm counts them over the row's width rounded down to a
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
     (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log), and at most 8 warps: a row of
-    8192 ran 2-5% faster with 8 than with 16 on the H100 (tune_cells.log) and the H200 (h200/tune_norm_wide_fwd.log,
-    run 1), its 4096 x 8192 cell 0.6% slower on the H100. Wide rows:
-    WIDE_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
+    8192 ran about as fast or faster with 8 than with 16 on both GPUs (those logs, h200/tune_norm_wide_fwd.log).
+    Wide rows: WIDE_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
     (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the programs still number two an SM: fewer, larger
     programs read narrow rows faster; four or eight rows were slower than two, and the add_* forms gained
     nothing (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
