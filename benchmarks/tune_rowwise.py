@@ -1,7 +1,7 @@
 """Sweep the launch settings of the norm and activation kernels on a GPU (bf16, benchmark sizes).
 
     python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [wide-fwd]
-                                      [wide-fwd-operands] [activation]
+                                      [wide-fwd-operands] [wide-fwd-layer] [activation]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -209,6 +209,37 @@ def sweep_norm_fwd_operands(copy):
     norm.fwd_settings = saved
 
 
+def sweep_layer_norm_fwd_wide(copy):
+    """LayerNorm and add_layer_norm forwards of wide rows in blocks of 4096 by warps, beside the launcher and
+    the sweep's torch.compile peer (reference.layer_norm compiled, plain LayerNorm only), by CUDA-graph replay."""
+    from onepass import reference
+
+    saved = norm.fwd_settings
+    for rows, n in itertools.product((4096, 16384, 65536), (12288, 16384)):
+        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16) * 2 + 0.5
+        w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def report(form, label, fn, passes):
+            us = do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+            gbps = passes * x.numel() * 2 / us / 1e3
+            print(f"norm {form} fwd {rows}x{n} {label:<22} {us:8.1f} us {gbps / copy:6.1%}", flush=True)
+
+        for form in ("layer", "add_layer"):
+            residual = torch.randn_like(x) if form == "add_layer" else None
+            step = functools.partial(norm._norm_fwd_launch, x, residual, w, b, 1e-5, 0.0, 0.0, 0, False, x.dtype)
+            passes = 4 if residual is not None else 2
+            report(form, f"launcher {saved(n, rows, False, residual is not None, 132)[:2]}", step, passes)
+            for warps in (4, 8, 16):
+                norm.fwd_settings = lambda *_, w_=warps: (4096, w_, 1)
+                step()
+                report(form, f"block=4096 warps={warps}", step, passes)
+            norm.fwd_settings = saved
+        compiled = torch.compile(reference.layer_norm, dynamic=False)
+        compiled(x, w, b, 1e-5)
+        report("layer", "torch.compile", lambda: compiled(x, w, b, 1e-5), 2)
+        torch._dynamo.reset()
+
+
 def sweep_activation(copy):
     n = 8192
     g = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
@@ -284,6 +315,8 @@ if __name__ == "__main__":
         sweep_norm_fwd_wide(ceilings.copy_gbps)
     if "wide-fwd-operands" in parts:
         sweep_norm_fwd_operands(ceilings.copy_gbps)
+    if "wide-fwd-layer" in parts:
+        sweep_layer_norm_fwd_wide(ceilings.copy_gbps)
     if "wide-layer" in parts:
         sweep_layer_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:

@@ -81,8 +81,10 @@ WIDE_ROW = 8192
 # (BLOCK_N, num_warps) of the forward on wide rows, every form: blocks of 4096 by 16 warps, the second
 # pass re-reading the row from L2, where one block of up to 16384 (a row of 12288 a quarter padding) holds
 # too much a thread (tune_rowwise.py wide-fwd, results/h200/tune_norm_wide_fwd.log,
-# results/h100-80gb-hbm3/tune_norm_wide.log).
+# results/h100-80gb-hbm3/tune_norm_wide.log). Plain LayerNorm by WIDE_LAYER_NORM_WARPS: its per-lane
+# statistics ran faster with fewer warps (tune_rowwise.py wide-fwd-layer, same log).
 WIDE_NORM_FWD = (4096, 16)
+WIDE_LAYER_NORM_WARPS = 4
 
 # One-block rows of at most PAIR_BLOCK values go two a forward program without the residual (fwd_settings).
 PAIR_BLOCK = 4096
@@ -95,12 +97,13 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
     (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log), and at most 8 warps: a row of
     8192 ran about as fast or faster with 8 than with 16 on both GPUs (those logs, h200/tune_norm_wide_fwd.log).
-    Wide rows: WIDE_NORM_FWD. Without the residual, rows of a block of at most PAIR_BLOCK go two a program
-    (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the programs still number two an SM: fewer, larger
-    programs read narrow rows faster; four or eight rows were slower than two, and the add_* forms gained
-    nothing (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
+    Wide rows: WIDE_NORM_FWD (WIDE_LAYER_NORM_WARPS for plain LayerNorm). Without the residual, rows of a
+    block of at most PAIR_BLOCK go two a program (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the
+    programs still number two an SM: fewer, larger programs read narrow rows faster; four or eight rows were
+    slower than two, and the add_* forms gained nothing (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
     if n_cols > WIDE_ROW:
-        return (*WIDE_NORM_FWD, 1)
+        block, num_warps = WIDE_NORM_FWD
+        return block, WIDE_LAYER_NORM_WARPS if not (is_rms or has_residual) else num_warps, 1
     if is_rms and not has_residual:
         block, _ = row_settings(n_cols)
         num_warps = min(8, row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1])
@@ -207,14 +210,17 @@ def _norm_fwd_kernel(
     else:
         row = tl.program_id(0).to(tl.int64)
         # Rows longer than one block: pass 1 takes the sums (and writes h), pass 2 normalises, re-reading
-        # the row from L2 (pass 1's loads ask L2 to keep it, pass 2's to drop it). LayerNorm sums h - shift
-        # and its square, the shift being the first block's mean: mean and variance in one pass, without the
-        # cancellation of plain sums of h and h^2 on a row whose mean is large against its spread.
+        # the row from L2 (pass 1's loads ask L2 to keep it, pass 2's to drop it). LayerNorm sums, in each
+        # lane, h - shift and its square, the shift being the lane's own first value: mean and variance in
+        # one pass without the cancellation of plain sums of h and h^2 on a row whose mean is large against
+        # its spread, and without a reduction across the block before the loop (a shift shared by the row
+        # waited for one: tune_rowwise.py wide-fwd-layer). A lane's cancellation error stays within its own
+        # few values (a row of n over blocks of BLOCK_N: at most cdiv(n, BLOCK_N) a lane).
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, cols < n_cols, n_cols, dropout_p,
                     seed, HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
         if HAS_RESIDUAL:
             h = _store_h(h, h_ptr, row, h_row_stride, cols, cols < n_cols)
-        shift = 0.0 if IS_RMS else tl.sum(h, axis=0) / BLOCK_N  # the row is wider than one block
+        shift = 0.0 if IS_RMS else h  # the row is wider than one block: every lane has a first value
         acc_d = h - shift
         acc_sq = acc_d * acc_d
         for start in range(BLOCK_N, n_cols, BLOCK_N):
@@ -230,10 +236,12 @@ def _norm_fwd_kernel(
         if IS_RMS:
             mean = 0.0
             var = tl.sum(acc_sq, axis=0) / n_cols
-        else:
-            mean_d = tl.sum(acc_d, axis=0) / n_cols
-            mean = shift + mean_d
-            var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
+        else:  # each lane's count, mean and squared deviations, then combined (Chan et al.)
+            count = ((n_cols - 1 - cols) // BLOCK_N + 1).to(tl.float32)
+            lane_mean = shift + acc_d / count
+            mean = tl.sum(lane_mean * count, axis=0) / n_cols
+            spread = acc_sq - acc_d * acc_d / count + count * (lane_mean - mean) * (lane_mean - mean)
+            var = tl.maximum(tl.sum(spread, axis=0) / n_cols, 0.0)
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
