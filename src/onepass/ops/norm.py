@@ -81,10 +81,14 @@ WIDE_ROW = 8192
 # (BLOCK_N, num_warps) of the forward on wide rows, every form: blocks of 4096 by 16 warps, the second
 # pass re-reading the row from L2, where one block of up to 16384 (a row of 12288 a quarter padding) holds
 # too much a thread (tune_rowwise.py wide-fwd, results/h200/tune_norm_wide_fwd.log,
-# results/h100-80gb-hbm3/tune_norm_wide.log). Plain LayerNorm by WIDE_LAYER_NORM_WARPS: its per-lane
-# statistics ran faster with fewer warps (tune_rowwise.py wide-fwd-layer, same log).
+# results/h100-80gb-hbm3/tune_norm_wide.log). LayerNorm's, with or without the residual, by
+# WIDE_LAYER_NORM_WARPS (tune_rowwise.py wide-fwd-layer, same log).
 WIDE_NORM_FWD = (4096, 16)
 WIDE_LAYER_NORM_WARPS = 4
+# A wide LayerNorm row whose squared mean offset from its first value passes SHIFT_CANCEL times its variance
+# takes the variance again about the mean: E[d^2] - E[d]^2 in float32 would lose about that factor times
+# 2^-24 of it (at most ~4e-6 below the bound).
+SHIFT_CANCEL = tl.constexpr(64.0)
 
 # One-block rows of at most PAIR_BLOCK values go two a forward program without the residual (fwd_settings).
 PAIR_BLOCK = 4096
@@ -97,13 +101,13 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
     (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log), and at most 8 warps: a row of
     8192 ran about as fast or faster with 8 than with 16 on both GPUs (those logs, h200/tune_norm_wide_fwd.log).
-    Wide rows: WIDE_NORM_FWD (WIDE_LAYER_NORM_WARPS for plain LayerNorm). Without the residual, rows of a
+    Wide rows: WIDE_NORM_FWD (WIDE_LAYER_NORM_WARPS for LayerNorm). Without the residual, rows of a
     block of at most PAIR_BLOCK go two a program (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the
     programs still number two an SM: fewer, larger programs read narrow rows faster; four or eight rows were
     slower than two, and the add_* forms gained nothing (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
     if n_cols > WIDE_ROW:
         block, num_warps = WIDE_NORM_FWD
-        return block, WIDE_LAYER_NORM_WARPS if not (is_rms or has_residual) else num_warps, 1
+        return block, num_warps if is_rms else WIDE_LAYER_NORM_WARPS, 1
     if is_rms and not has_residual:
         block, _ = row_settings(n_cols)
         num_warps = min(8, row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1])
@@ -210,17 +214,21 @@ def _norm_fwd_kernel(
     else:
         row = tl.program_id(0).to(tl.int64)
         # Rows longer than one block: pass 1 takes the sums (and writes h), pass 2 normalises, re-reading
-        # the row from L2 (pass 1's loads ask L2 to keep it, pass 2's to drop it). LayerNorm sums, in each
-        # lane, h - shift and its square, the shift being the lane's own first value: mean and variance in
-        # one pass without the cancellation of plain sums of h and h^2 on a row whose mean is large against
-        # its spread, and without a reduction across the block before the loop (a shift shared by the row
-        # waited for one: tune_rowwise.py wide-fwd-layer). A lane's cancellation error stays within its own
-        # few values (a row of n over blocks of BLOCK_N: at most cdiv(n, BLOCK_N) a lane).
+        # the row from L2 (pass 1's loads ask L2 to keep it, pass 2's to drop it). LayerNorm sums h - shift
+        # and its square, the shift being the row's first value (x + residual, before dropout): mean and
+        # variance in one pass without the cancellation of plain sums of h and h^2 on a row whose mean is
+        # large against its spread, and without waiting before the loop for a reduction across the block
+        # (tune_rowwise.py wide-fwd-layer). Where that first value lies far out (a "massive activation"),
+        # the sums cancel: such a row takes its variance again, about the mean (a pass over L2).
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, cols < n_cols, n_cols, dropout_p,
                     seed, HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
         if HAS_RESIDUAL:
             h = _store_h(h, h_ptr, row, h_row_stride, cols, cols < n_cols)
-        shift = 0.0 if IS_RMS else h  # the row is wider than one block: every lane has a first value
+        shift = 0.0
+        if not IS_RMS:
+            shift = tl.load(x_ptr + row * x_row_stride).to(tl.float32)
+            if HAS_RESIDUAL:
+                shift += tl.load(res_ptr + row * res_row_stride).to(tl.float32)
         acc_d = h - shift
         acc_sq = acc_d * acc_d
         for start in range(BLOCK_N, n_cols, BLOCK_N):
@@ -233,20 +241,25 @@ def _norm_fwd_kernel(
             d = tl.where(m, h - shift, 0.0)
             acc_d += d
             acc_sq += d * d
+        src = h_ptr + row * h_row_stride if HAS_RESIDUAL else x_ptr + row * x_row_stride
         if IS_RMS:
             mean = 0.0
             var = tl.sum(acc_sq, axis=0) / n_cols
-        else:  # each lane's count, mean and squared deviations, then combined (Chan et al.)
-            count = ((n_cols - 1 - cols) // BLOCK_N + 1).to(tl.float32)
-            lane_mean = shift + acc_d / count
-            mean = tl.sum(lane_mean * count, axis=0) / n_cols
-            spread = acc_sq - acc_d * acc_d / count + count * (lane_mean - mean) * (lane_mean - mean)
-            var = tl.maximum(tl.sum(spread, axis=0) / n_cols, 0.0)
+        else:
+            mean_d = tl.sum(acc_d, axis=0) / n_cols
+            mean = shift + mean_d
+            var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
+            if mean_d * mean_d > SHIFT_CANCEL * var:  # (each thread reads back the values it wrote)
+                acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for start in range(0, n_cols, BLOCK_N):
+                    c = start + cols
+                    d = tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean, 0.0)
+                    acc_sq += d * d
+                var = tl.sum(acc_sq, axis=0) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             m = c < n_cols
-            src = h_ptr + row * h_row_stride if HAS_RESIDUAL else x_ptr + row * x_row_stride
             h = tl.load(src + c, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             y = (h - mean) * rstd
             if HAS_WEIGHT:

@@ -70,6 +70,9 @@ TOKEN_TILE = 1024
 # than token-major; d 128 (256-byte rows) 3% slower (tune_rope_layer_norm.py rope-dims,
 # results/h200/tune_rope_layer_norm.log).
 HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
+# Tokens of a sequence a head-major tile (each head in turn): its table rows (under 8 MiB) stay in L2 for the
+# next head, while each head's run stays long (tiles of 1024 were 13% slower at d 64).
+HEAD_MAJOR_TILE = 16384
 TABLE_ELEMENTS = 2048  # angles a program of rope_tables computes (a decode step: one program)
 
 LAYOUTS = ("bhsd", "bshd")
@@ -161,8 +164,8 @@ def _rope_kernel(
     pid = tl.program_id(0).to(tl.int64)
     if BLOCK_T > 1:
         # Head-major: BLOCK_T tokens of one (sequence, head) a program, each reading one contiguous run of
-        # its head's rows. Tiles of TOKEN_TILE tokens of a sequence take each head in turn (q's heads, then
-        # k's), its tokens fastest: the heads re-read a tile's table rows from L2, however long the sequence.
+        # its head's rows. Tiles of TOKEN_TILE tokens of a sequence (HEAD_MAJOR_TILE) take each head in turn
+        # (q's heads, then k's), its tokens fastest: the heads re-read a tile's table rows from L2.
         n_heads = n_q_heads + n_k_heads
         blocks = TOKEN_TILE // BLOCK_T  # of a head in a tile
         per_seq = tl.cdiv(seq, TOKEN_TILE) * n_heads * blocks
@@ -185,35 +188,36 @@ def _rope_kernel(
             o_rows = ko_ptr + b * ko_batch_stride + (head - n_q_heads) * ko_head_stride + s * ko_seq_stride
         _rope_rows(x_rows, o_rows, s_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_T,
                    BLOCK_HALF, BLOCK_REST)
-        return
-    # Token-major: one token's block of BLOCK_H heads a program. With TOKEN_TILE = 0, every token for head
-    # block 0, then for block 1, ...; else tiles of TOKEN_TILE tokens, each taking all head blocks in turn, so
-    # its table rows are reused from L2 by every block instead of streamed once a block.
-    if TOKEN_TILE == 0:
-        block = (pid // n_tokens).to(tl.int32)
-        token = pid % n_tokens
-    else:
-        tile, within = pid // (n_blocks * TOKEN_TILE), pid % (n_blocks * TOKEN_TILE)
-        block = (within // TOKEN_TILE).to(tl.int32)
-        token = tile * TOKEN_TILE + within % TOKEN_TILE
-        if token >= n_tokens:
-            return
-    b, s = token // seq, token % seq
-    c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s < seq, table_rows, cos_batch_stride, cos_row_stride,
-                                 pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD, HAS_POS, 1, BLOCK_HALF)
-    heads = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]
-    if block < q_head_blocks:
-        heads += block * BLOCK_H
-        x_rows = q_ptr + b * q_batch_stride + s * q_seq_stride + heads * q_head_stride
-        o_rows = qo_ptr + b * qo_batch_stride + s * qo_seq_stride + heads * qo_head_stride
-        heads_ok = heads < n_q_heads
-    else:
-        heads += (block - q_head_blocks) * BLOCK_H
-        x_rows = k_ptr + b * k_batch_stride + s * k_seq_stride + heads * k_head_stride
-        o_rows = ko_ptr + b * ko_batch_stride + s * ko_seq_stride + heads * ko_head_stride
-        heads_ok = heads < n_k_heads
-    _rope_rows(x_rows, o_rows, heads_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_H,
-               BLOCK_HALF, BLOCK_REST)
+    else:  # (an else, not a return: the compiler would type the code after a static if's return too)
+        # Token-major: one token's block of BLOCK_H heads a program. With TOKEN_TILE = 0, every token for
+        # head block 0, then for block 1, ...; else tiles of TOKEN_TILE tokens, each taking all head blocks in
+        # turn, so its table rows are reused from L2 by every block instead of streamed once a block.
+        if TOKEN_TILE == 0:
+            block = (pid // n_tokens).to(tl.int32)
+            token = pid % n_tokens
+        else:
+            tile, within = pid // (n_blocks * TOKEN_TILE), pid % (n_blocks * TOKEN_TILE)
+            block = (within // TOKEN_TILE).to(tl.int32)
+            token = tile * TOKEN_TILE + within % TOKEN_TILE
+            if token >= n_tokens:
+                return
+        b, s = token // seq, token % seq
+        c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s < seq, table_rows, cos_batch_stride,
+                                     cos_row_stride, pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD,
+                                     HAS_POS, 1, BLOCK_HALF)
+        heads = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]
+        if block < q_head_blocks:
+            heads += block * BLOCK_H
+            x_rows = q_ptr + b * q_batch_stride + s * q_seq_stride + heads * q_head_stride
+            o_rows = qo_ptr + b * qo_batch_stride + s * qo_seq_stride + heads * qo_head_stride
+            heads_ok = heads < n_q_heads
+        else:
+            heads += (block - q_head_blocks) * BLOCK_H
+            x_rows = k_ptr + b * k_batch_stride + s * k_seq_stride + heads * k_head_stride
+            o_rows = ko_ptr + b * ko_batch_stride + s * ko_seq_stride + heads * ko_head_stride
+            heads_ok = heads < n_k_heads
+        _rope_rows(x_rows, o_rows, heads_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_H,
+                   BLOCK_HALF, BLOCK_REST)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -288,7 +292,7 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
                           else (1, NUM_WARPS))
     if block_t > 1:  # a short sequence's tile: its blocks, rounded up to a power of two (few compiles)
-        tile = min(TOKEN_TILE, next_power_of_2(cdiv(s, block_t)) * block_t)
+        tile = min(HEAD_MAJOR_TILE, next_power_of_2(cdiv(s, block_t)) * block_t)
         grid = b * cdiv(s, tile) * (hq + hk) * (tile // block_t)
     else:
         # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
