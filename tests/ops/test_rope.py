@@ -63,8 +63,9 @@ def test_per_batch_tables_in_token_tiles(layout, device, monkeypatch):
 @pytest.mark.parametrize("case", ["half", "interleaved", "partial", "position_ids", "shared_table", "inplace"])
 def test_head_major_order_gives_the_token_major_results(case, device, monkeypatch):
     """Short head rows whose tokens are contiguous run head-major (tokens of one head a program, in tiles of
-    tokens over every head): forward, backward and in place equal the token-major order bit for bit (here
-    blocks of 4 tokens in tiles of 8 over 11 tokens, so the last tile and block are partial)."""
+    tokens over every head): forward, backward and in place give the token-major order's results (here
+    blocks of 4 tokens in tiles of 8 over 11 tokens, so the last tile and block are partial; equal up to
+    float32 rounding: two compiled kernels may contract the products differently)."""
     rope = sys.modules["onepass.ops.rope"]
     monkeypatch.setattr(rope, "HEAD_MAJOR_TOKENS", 4)
     monkeypatch.setattr(rope, "TOKEN_TILE", 8)
@@ -89,7 +90,8 @@ def test_head_major_order_gives_the_token_major_results(case, device, monkeypatc
         return qo.detach(), ko.detach(), qg.grad, kg.grad
 
     head_major, token_major = run(256), run(0)
-    assert all(torch.equal(a, e) for a, e in zip(head_major, token_major))
+    for a, e in zip(head_major, token_major):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
     _check(q.clone(), k.clone(), cos, sin, torch.float32, position_ids=pos, style=style)  # (head-major again)
 
 
