@@ -68,7 +68,7 @@ def test_head_major_order_gives_the_token_major_results(case, device, monkeypatc
     float32 rounding: two compiled kernels may contract the products differently)."""
     rope = sys.modules["onepass.ops.rope"]
     monkeypatch.setattr(rope, "HEAD_MAJOR_TOKENS", 4)
-    monkeypatch.setattr(rope, "TOKEN_TILE", 8)
+    monkeypatch.setattr(rope, "HEAD_MAJOR_TILE", 8)
     b, hq, hk, s, d = 2, 3, 2, 11, 16
     style = "interleaved" if case == "interleaved" else "half"
     q, k = torch.randn(b, hq, s, d, device=device), torch.randn(b, hk, s, d, device=device)

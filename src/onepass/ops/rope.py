@@ -71,7 +71,7 @@ TOKEN_TILE = 1024
 # results/h200/tune_rope_layer_norm.log).
 HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
 # Tokens of a sequence a head-major tile (each head in turn): its table rows (under 8 MiB) stay in L2 for the
-# next head, while each head's run stays long (tiles of 1024 were 13% slower at d 64).
+# next head, while each head's run stays long.
 HEAD_MAJOR_TILE = 16384
 TABLE_ELEMENTS = 2048  # angles a program of rope_tables computes (a decode step: one program)
 
@@ -152,7 +152,7 @@ def _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_str
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
-    seq, n_tokens, n_q_heads, n_k_heads, q_head_blocks, n_blocks, table_rows,
+    seq, n_tokens, n_q_heads, n_k_heads, q_head_blocks, n_blocks, table_rows, tile_blocks,
     q_batch_stride, q_seq_stride, q_head_stride, k_batch_stride, k_seq_stride, k_head_stride,
     qo_batch_stride, qo_seq_stride, qo_head_stride, ko_batch_stride, ko_seq_stride, ko_head_stride,
     cos_batch_stride, cos_row_stride, pos_batch_stride, pos_seq_stride,
@@ -163,33 +163,35 @@ def _rope_kernel(
 ):
     if BLOCK_T > 1:
         # Head-major: BLOCK_T tokens of one (sequence, head) a program, each reading one contiguous run of
-        # its head's rows. Tiles of TOKEN_TILE tokens of a sequence (HEAD_MAJOR_TILE) take each head in turn
-        # (q's heads, then k's), its tokens fastest: the heads re-read a tile's table rows from L2.
-        # (int32 index arithmetic: a program moves a few KB, where 64-bit divisions cost 10% of its time)
+        # its head's rows. Tiles of tile_blocks such blocks of a sequence (at most HEAD_MAJOR_TILE tokens)
+        # take each head in turn (q's heads, then k's), its tokens fastest: the heads re-read a tile's table
+        # rows from L2. No early return for a partial block: it cost the sm_90 build 28 registers a thread
+        # (96 against 68), and occupancy with them.
         pid = tl.program_id(0)
         n_heads = n_q_heads + n_k_heads
-        blocks: tl.constexpr = TOKEN_TILE // BLOCK_T  # of a head in a tile
-        per_seq = tl.cdiv(seq, TOKEN_TILE) * n_heads * blocks
+        per_tile = n_heads * tile_blocks
+        per_seq = tl.cdiv(tl.cdiv(seq, BLOCK_T), tile_blocks) * per_tile
         b = (pid // per_seq).to(tl.int64)
         within = pid % per_seq
-        head = within // blocks % n_heads
-        first = within // (n_heads * blocks) * TOKEN_TILE + within % blocks * BLOCK_T
-        if first >= seq:  # past a sequence's last, partial tile
-            return
+        head = within // tile_blocks % n_heads
+        first = (within // per_tile * tile_blocks + within % tile_blocks) * BLOCK_T
         s = (first + tl.arange(0, BLOCK_T))[:, None]
         s_ok = s < seq
         s = s.to(tl.int64)
         c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_stride,
                                      cos_row_stride, pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD,
                                      HAS_POS, BLOCK_T, BLOCK_HALF)
+        # the head's first rows in and out, chosen as scalars; its tokens are HEAD_DIM apart in every tensor
+        # (_head_major), so one offset vector serves both (fewer registers: a thread holds 16 values a tensor)
         if head < n_q_heads:
-            x_rows = q_ptr + b * q_batch_stride + head * q_head_stride + s * q_seq_stride
-            o_rows = qo_ptr + b * qo_batch_stride + head * qo_head_stride + s * qo_seq_stride
+            x_head = q_ptr + b * q_batch_stride + head * q_head_stride
+            o_head = qo_ptr + b * qo_batch_stride + head * qo_head_stride
         else:
-            x_rows = k_ptr + b * k_batch_stride + (head - n_q_heads) * k_head_stride + s * k_seq_stride
-            o_rows = ko_ptr + b * ko_batch_stride + (head - n_q_heads) * ko_head_stride + s * ko_seq_stride
-        _rope_rows(x_rows, o_rows, s_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_T,
-                   BLOCK_HALF, BLOCK_REST)
+            x_head = k_ptr + b * k_batch_stride + (head - n_q_heads) * k_head_stride
+            o_head = ko_ptr + b * ko_batch_stride + (head - n_q_heads) * ko_head_stride
+        rows = s * HEAD_DIM
+        _rope_rows(x_head + rows, o_head + rows, s_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST,
+                   BLOCK_T, BLOCK_HALF, BLOCK_REST)
     else:  # (an else, not a return: the compiler would type the code after a static if's return too)
         # Token-major: one token's block of BLOCK_H heads a program. With TOKEN_TILE = 0, every token for
         # head block 0, then for block 1, ...; else tiles of TOKEN_TILE tokens, each taking all head blocks in
@@ -294,10 +296,12 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     n_blocks = q_blocks + cdiv(hk, block_h)
     block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
                           else (1, NUM_WARPS))
-    if block_t > 1:  # a short sequence's tile: its blocks, rounded up to a power of two (few compiles)
-        tile = min(HEAD_MAJOR_TILE, next_power_of_2(cdiv(s, block_t)) * block_t)
-        grid = b * cdiv(s, tile) * (hq + hk) * (tile // block_t)
+    if block_t > 1:  # even tiles of at most HEAD_MAJOR_TILE tokens: a partial block or so a tile to spare
+        tile_blocks = cdiv(cdiv(s, cdiv(s, HEAD_MAJOR_TILE)), block_t)
+        grid = b * cdiv(cdiv(s, block_t), tile_blocks) * (hq + hk) * tile_blocks
+        tile = 0
     else:
+        tile_blocks = 0
         # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
         # table stays in L2 anyway, and tokens in order read q and k in longer runs. At most one
         # tile of tokens is that order already, without a tile's spare programs (thousands for a
@@ -306,7 +310,7 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
         grid = cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks
     launch(_rope_kernel, (grid,),
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
-        s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2],
+        s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2], tile_blocks,
         *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(q_out, layout), *_bsh_strides(k_out, layout),
         cos_batch_stride, cos.stride(-2), pos_batch_stride, pos_seq_stride,
         ROT=rot, HEAD_DIM=d, INTERLEAVED=interleaved, BACKWARD=backward, HAS_POS=pos is not None,
