@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import uuid
 
 import pytest
@@ -180,12 +182,7 @@ def test_onepass_trains_with_its_head_a_unit_and_checkpointed_layers_in_bf16(mon
     assert env["gpu"] == "cpu" and "copy_GBps" not in env  # ceilings only in the heat job
 
 
-def test_a_launch_past_its_time_ends_every_rank(monkeypatch):
-    tag = uuid.uuid4().hex
-    spec = {"job": "train", "model": "llama-tiny", "variant": "onepass", "batch": 1, "seq": 64, "tag": tag,
-            "warmup": 50, "timed": 1}
-    row, _ = td.launch(2, spec, 8, lambda line: None)
-    assert row.error == "timed out after 8 s"
+def _tagged_processes(tag: str) -> list[str]:
     left = []
     for pid in os.listdir("/proc"):
         try:
@@ -194,11 +191,41 @@ def test_a_launch_past_its_time_ends_every_rank(monkeypatch):
                     left.append(pid)
         except OSError:
             pass
-    assert left == []
+    return left
+
+
+def _long_spec(tag: str) -> dict:
+    return {"job": "train", "model": "llama-tiny", "variant": "onepass", "batch": 1, "seq": 64, "tag": tag,
+            "warmup": 50, "timed": 1}
+
+
+def test_a_launch_past_its_time_ends_every_rank(monkeypatch):
+    tag = uuid.uuid4().hex
+    spec = _long_spec(tag)
+    row, _ = td.launch(2, spec, 8, lambda line: None)
+    assert row.error == "timed out after 8 s"
+    assert _tagged_processes(tag) == []
 
     monkeypatch.setattr(sys, "executable", "false")  # a process that prints nothing and exits 1
     row, env = td.launch(2, spec, 30, lambda line: None)
     assert row.error == "torchrun exited with code 1: " and env is None
+
+
+def test_a_launch_stopped_by_sigterm_ends_every_rank_before_exiting():
+    """torchrun and its ranks run in their own session (a Ctrl-C in the terminal does not reach them): a SIGTERM
+    or Ctrl-C of the parent ends them before it exits, where they ran on (holding the GPUs)."""
+    tag = uuid.uuid4().hex
+    before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(6.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            td.launch(2, _long_spec(tag), 60, lambda line: None)
+    finally:
+        timer.cancel()
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert _tagged_processes(tag) == []
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler it replaced is back
 
 
 def test_the_command_line_reaches_the_distributed_mode(monkeypatch, capsys):

@@ -163,3 +163,21 @@ def test_selfcheck_says_which_numpy_triton_3_6s_interpreter_needs(monkeypatch, c
     assert capsys.readouterr().err.splitlines() == [
         "onepass selfcheck: Triton 3.6.0's interpreter needs numpy < 2.3 (here 2.3.1): pip install 'numpy<2.3', "
         "or Triton 3.7 or later"]
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_code_130(monkeypatch, capsys):
+    from onepass import selfcheck
+
+    def interrupted(device, log=print):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selfcheck, "run", interrupted)
+    assert main(["selfcheck"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["onepass selfcheck: interrupted"]
+
+
+def test_bench_without_what_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "onepass bench: error: the following arguments are required: {ops,sweep,sweep-report,train,generate}")

@@ -315,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="skip HF generate with a static cache and torch.compile (its compile takes "
                                      "minutes)")
     bench_generate.add_argument("--out", default="benchmarks/results", help="results folder")
+    bench.metavar = "{" + ",".join(bench.choices) + "}"  # (a missing one is named so, not by its dest)
     from onepass.analyze.cli import add_arguments
 
     add_arguments(_command(sub, "analyze", "where a model's HBM bytes and kernel launches go, and what fusing saves "
@@ -330,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"onepass {command}: needs transformers (its models are Hugging Face models): {HF_INSTALL}",
               file=sys.stderr)
         return 2
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what a command started, it has ended)
+        print(f"onepass {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

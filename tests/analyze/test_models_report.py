@@ -101,6 +101,14 @@ def test_cli(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--model", "gpt2-tiny", "--quiet", "--out", str(tmp_path / "notes.txt" / "sub")]) == 2
     assert "cannot write" in capsys.readouterr().err  # said before the analysis, in one line
+    (tmp_path / "old.json").mkdir()
+    assert main(["--model", "gpt2-tiny", "--quiet", "--out", str(tmp_path / "old.json")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"onepass analyze: --out {tmp_path / 'old.json'} is a folder, not a report file (a folder for every report "
+        "file: name it without the suffix)"]
+    assert main(["--model", "gpt2-tiny", "--quiet", "--out", str(tmp_path / "report.txt")]) == 0
+    assert "report.txt is taken as a folder (one-file reports end in .json, .md, .html)" in capsys.readouterr().err
+    assert (tmp_path / "report.txt" / "report.json").is_file()
 
 
 def test_cli_takes_a_config_json(tmp_path, capsys):

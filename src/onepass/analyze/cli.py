@@ -105,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"onepass analyze: --out {args.out} is a file, not a folder (or a .json, .md or .html report)",
                   file=sys.stderr)
             return 2
+        if one_file and os.path.isdir(args.out):
+            print(f"onepass analyze: --out {args.out} is a folder, not a report file (a folder for every report "
+                  "file: name it without the suffix)", file=sys.stderr)
+            return 2
+        if not one_file and os.path.splitext(args.out.rstrip("/" + os.sep))[1] and not os.path.isdir(folder):
+            print(f"onepass analyze: --out {args.out} is taken as a folder (one-file reports end in "
+                  f"{', '.join(ONE_FILE_SUFFIXES)})", file=sys.stderr)
         try:
             os.makedirs(folder, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()

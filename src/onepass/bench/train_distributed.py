@@ -32,12 +32,14 @@ perf_counter times, no peak memory).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -296,6 +298,24 @@ def _end(pid: int) -> None:
             pass
 
 
+@contextlib.contextmanager
+def _ending_on_sigterm():
+    """Within: SIGTERM raises SystemExit (143) in the main thread, as Ctrl-C raises KeyboardInterrupt, so
+    ``launch`` ends torchrun's process group before this process exits (the default SIGTERM exits at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _tagged(out: str, tag: str) -> list[dict]:
     """The JSON objects that follow ``tag`` in ``out``: ranks failing at once write their rows into
     one pipe, where one rank's line can run into another's."""
@@ -318,15 +338,20 @@ def launch(gpus: int, spec: dict, timeout_s: float,
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            "-m", "onepass.bench.train_distributed", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
     timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _end(proc.pid)
-        out, err = proc.communicate()
-        timed_out = True
+    with _ending_on_sigterm():
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end(proc.pid)
+            out, err = proc.communicate()
+            timed_out = True
+        except BaseException:  # Ctrl-C or SIGTERM: the ranks, in their own session, would run on (and hold GPUs)
+            _end(proc.pid)
+            proc.wait()
+            raise
     rows = [DistResult(**row) for row in _tagged(out, RESULT_TAG)]
     envs = _tagged(out, ENV_TAG)
     row = next((r for r in rows if r.error), rows[0] if rows else None)  # a success: printed once all ranks were done
