@@ -81,6 +81,17 @@ def cases():
     ce.count_targets = counted
     logits, target = empty(4096, 128256), torch.zeros(4096, dtype=torch.int64)
     ce._cross_entropy_fwd_launch(logits, target, -100, "mean", 0.1, 1e-4, 30.0, True, True, False)
+    ce.scale_rows_(logits, torch.ones(4096))
+    rows, counts = torch.empty(64), torch.ones(2, dtype=torch.int32)  # LM-head losses' per-row kernels
+    z = empty(64, 151936)
+    for teacher in (None, z):
+        ops("distillation").jsd_rows(z, teacher, target[:64], rows, counts, True, 0.5, 0.5, 0.5, -100, 2.0)
+    ops("sequence_loss")._logit_grad(z, target[:64], rows, rows, -100)
+    low = ops("linear_cross_entropy_low")
+    low.count_targets = counted
+    hidden, head = empty(64, 256), empty(32000, 256)
+    loss, lse, _, _ = low._low_fwd(hidden, head, target[:64], None, -100, 0.0, 0.0, None, True)
+    low._low_bwd(torch.ones(64), hidden, head, target[:64], None, lse, 0.0, 0.0, 30.0, True, True, False)
     attention = ops("attention")
     for d, causal in ((64, True), (128, False), (256, True)):
         q, k = empty(1, 32, 2048, d), empty(1, 8, 2048, d)
@@ -101,6 +112,27 @@ def cases():
     q, k, cos = empty(2, 32, 4096, 128), empty(2, 8, 4096, 128), empty(2, 4096, 128)
     for backward in (False, True):
         rope._rope_launch(q, k, cos, cos, None, "bhsd", False, backward, q, k)
+    q, k = empty(2, 4096, 32, 80), empty(2, 4096, 8, 80)  # a padded half (40 of 64 lanes), HF's bshd memory
+    positions = torch.zeros(2, 4096, dtype=torch.int64)
+    for rotary, interleaved, pos in ((80, False, positions), (80, True, None), (32, False, None)):
+        table = empty(1, 8192 if pos is not None else 4096, rotary)
+        rope._rope_launch(q, k, table, table, pos, "bshd", interleaved, False, empty(*q.shape), empty(*k.shape))
+    q, k, table = empty(2, 32, 4096, 80), empty(2, 8, 4096, 80), empty(2, 4096, 80)  # contiguous bhsd: each head's run
+    rope._rope_launch(q, k, table, table, None, "bhsd", False, False, empty(*q.shape), empty(*k.shape))
+    rope._tables_launch(positions, empty(64, dtype=torch.float32), 1.0, torch.bfloat16)
+    cache, new = empty(8, 8, 4096, 128), empty(8, 8, 1, 128)  # a decode step's append, with and without RoPE
+    length = torch.zeros(1, dtype=torch.int64)
+    ops("kv_cache").append_to_cache(cache, cache, length, new, new)
+    ops("kv_cache").append_to_cache(cache, cache, length, new, new, empty(8, 32, 1, 128), empty(8, 1, 128),
+                                    empty(8, 1, 128))
+    tokens = torch.zeros(8, 512, dtype=torch.int64)
+    one = torch.zeros(1, dtype=torch.int64)
+    ops("next_token").use_triton = lambda scores: True  # (CPU tensors take its reference path)
+    for eos in (None, torch.zeros(2, dtype=torch.int64)):
+        ops("next_token").record_next_token(empty(8, 128256), tokens, tokens[:, :1], one, tokens[:, :1], True, eos,
+                                            None if eos is None else one,
+                                            None if eos is None else torch.zeros(8, dtype=torch.bool),
+                                            None if eos is None else one, torch.zeros(8, dtype=torch.int32))
     moe = ops("moe")  # a Qwen3-30B-A3B layer's shapes: 128 experts, top 8, hidden 2048, 768 a expert
     x, top_k = empty(4096, 2048), torch.zeros(4096, 8, dtype=torch.int64)
     gate_up, down = empty(128, 1536, 2048), empty(128, 2048, 768)
