@@ -210,8 +210,9 @@ def sweep_norm_fwd_operands(copy):
 
 
 def sweep_layer_norm_fwd_wide(copy):
-    """LayerNorm and add_layer_norm forwards of wide rows in blocks of 4096 by warps, beside the launcher and
-    the sweep's torch.compile peer (reference.layer_norm compiled, plain LayerNorm only), by CUDA-graph replay."""
+    """LayerNorm and add_layer_norm forwards of wide rows by block (4096, 8192) and warps, beside the launcher
+    and the sweep's torch.compile peer (reference.layer_norm compiled, plain LayerNorm only), by CUDA-graph
+    replay. (Run 8 of results/h200/tune_norm_wide_fwd.log had 4096 only: 16384 features at 0.92x the peer.)"""
     from onepass import reference
 
     saved = norm.fwd_settings
@@ -229,10 +230,10 @@ def sweep_layer_norm_fwd_wide(copy):
             step = functools.partial(norm._norm_fwd_launch, x, residual, w, b, 1e-5, 0.0, 0.0, 0, False, x.dtype)
             passes = 4 if residual is not None else 2
             report(form, f"launcher {saved(n, rows, False, residual is not None, 132)[:2]}", step, passes)
-            for warps in (4, 8, 16):
-                norm.fwd_settings = lambda *_, w_=warps: (4096, w_, 1)
+            for block, warps in itertools.product((4096, 8192), (4, 8, 16)):
+                norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_, 1)
                 step()
-                report(form, f"block=4096 warps={warps}", step, passes)
+                report(form, f"block={block} warps={warps}", step, passes)
             norm.fwd_settings = saved
         compiled = torch.compile(reference.layer_norm, dynamic=False)
         compiled(x, w, b, 1e-5)
