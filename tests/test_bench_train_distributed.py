@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -183,14 +184,19 @@ def test_onepass_trains_with_its_head_a_unit_and_checkpointed_layers_in_bf16(mon
 
 
 def _tagged_processes(tag: str) -> list[str]:
-    left = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if tag.encode() in f.read():
-                    left.append(pid)
-        except OSError:
-            pass
+    """The processes whose command line holds ``tag``, after up to 5 s for killed ones to go."""
+    for _ in range(50):
+        left = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if tag.encode() in f.read():
+                        left.append(pid)
+            except OSError:
+                pass
+        if not left:
+            break
+        time.sleep(0.1)
     return left
 
 

@@ -326,15 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _interpret_without_gpu()
     args = build_parser().parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "what", None))))
     if args.hf and not has_transformers():
-        command = " ".join(filter(None, (args.command, getattr(args, "what", None))))
         print(f"onepass {command}: needs transformers (its models are Hugging Face models): {HF_INSTALL}",
               file=sys.stderr)
         return 2
     try:
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what a command started, it has ended)
-        print(f"onepass {args.command}: interrupted", file=sys.stderr)
+        print(f"onepass {command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -54,7 +54,8 @@ def cases():
     norm = ops("norm")
     for rows, n in ((16384, 768), (16384, 4096), (512, 12288), (64, 65536)):
         x, w = empty(rows, n), empty(n)
-        for is_rms, residual, dropout in ((True, None, 0.0), (False, None, 0.0), (True, x, 0.1), (False, x, 0.0)):
+        for is_rms, residual, dropout in ((True, None, 0.0), (False, None, 0.0), (True, x, 0.1), (False, x, 0.0),
+                                          (False, x, 0.1)):
             y, h, mean, rstd = norm._norm_fwd_launch(x, residual, w, None if is_rms else w, 1e-5, 0.0, dropout, 0,
                                                      is_rms, x.dtype)
             norm._norm_bwd_launch(x, None, x, w, 0.0, None if is_rms else x.dtype, mean, rstd, dropout, 0, is_rms,

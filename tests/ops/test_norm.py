@@ -94,7 +94,7 @@ def test_every_form_reads_rows_past_the_wide_width_in_blocks():
     """Past WIDE_ROW the forward loops over blocks (WIDE_NORM_FWD), RMSNorm too: one block padded to a
     power of two (a row of 12288 in 16384) ran 10% slower on the H200 (results/h200/tune_norm_wide_fwd.log)."""
     for is_rms, has_residual in itertools.product((True, False), repeat=2):
-        warps = norm.WIDE_NORM_FWD[1] if is_rms else norm.WIDE_LAYER_NORM_WARPS
+        warps = norm.WIDE_LAYER_NORM_WARPS if not (is_rms or has_residual) else norm.WIDE_NORM_FWD[1]
         assert norm.fwd_settings(12288, 4096, is_rms, has_residual, 132) == (norm.WIDE_NORM_FWD[0], warps, 1)
         assert norm.fwd_settings(8192, 4096, is_rms, has_residual, 132)[0] == 8192  # one block up to WIDE_ROW
 
@@ -104,11 +104,13 @@ def test_wide_layer_norm_statistics_of_a_row_far_from_zero(kind, device):
     """Rows wider than one forward block take LayerNorm's statistics over several blocks; a mean 100x
     the spread must not cancel the variance away (E[h^2] - mean^2 would lose ~1e-3 of it to rounding
     in float32), nor must one feature far out (a "massive activation"), in the first block or first in the
-    row (the shift of the one-pass sums: that row takes its variance again)."""
-    x = 100.0 + torch.randn(3, 9000, device=device)
+    row (the shift of the one-pass sums: that row takes its statistics again), even where the shifted sums
+    overflow float32 (a first value of 1e18)."""
+    x = 100.0 + torch.randn(4, 9000, device=device)
     x[:, 7] += 3000.0
     x[1:, 0] -= 3000.0
-    res = torch.randn(3, 9000, device=device) if kind.startswith("add") else None
+    x[3, 0] = 1e18
+    res = torch.randn(4, 9000, device=device) if kind.startswith("add") else None
     _check_against_reference(kind, x, res, torch.randn(9000, device=device), torch.randn(9000, device=device),
                              torch.float32)
 

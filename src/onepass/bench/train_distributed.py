@@ -284,7 +284,12 @@ def _rank_main(spec: dict) -> None:
 
 
 def _end(pid: int) -> None:
-    """SIGKILL torchrun (``pid``) and its ranks, each leading a process group (with its compile workers)."""
+    """SIGKILL torchrun (``pid``) and its ranks, each leading a process group (with its compile workers);
+    torchrun stopped first, so that no rank it starts after the list is read escapes it."""
+    try:
+        os.killpg(pid, signal.SIGSTOP)
+    except (ProcessLookupError, PermissionError):
+        pass
     ranks = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):  # the threads' children
         try:
@@ -299,21 +304,33 @@ def _end(pid: int) -> None:
 
 
 @contextlib.contextmanager
-def _ending_on_sigterm():
-    """Within: SIGTERM raises SystemExit (143) in the main thread, as Ctrl-C raises KeyboardInterrupt, so
-    ``launch`` ends torchrun's process group before this process exits (the default SIGTERM exits at once)."""
+def _handling(handler, *signums):
+    """Within: ``handler`` for ``signums`` (main thread only: elsewhere Python cannot set one), then the
+    handlers before (a handler not set from Python reads None: left as it is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def _exit(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, _exit)
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, before in previous.items():
+            if before is not None:
+                signal.signal(signum, before)
+
+
+def _exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _ending_on_sigterm():
+    """Within: SIGTERM raises SystemExit (143), as Ctrl-C raises KeyboardInterrupt, so ``launch`` ends
+    torchrun's process group before this process exits (the default SIGTERM exits at once)."""
+    return _handling(_exit, signal.SIGTERM)
+
+
+def _signals_ignored():
+    return _handling(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM)
 
 
 def _tagged(out: str, tag: str) -> list[dict]:
@@ -339,18 +356,21 @@ def launch(gpus: int, spec: dict, timeout_s: float,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            "-m", "onepass.bench.train_distributed", json.dumps(spec)]
     timed_out = False
+    proc = None
     with _ending_on_sigterm():
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
         try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    start_new_session=True)
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _end(proc.pid)
             out, err = proc.communicate()
             timed_out = True
         except BaseException:  # Ctrl-C or SIGTERM: the ranks, in their own session, would run on (and hold GPUs)
-            _end(proc.pid)
-            proc.wait()
+            if proc is not None:
+                with _signals_ignored():  # (a second Ctrl-C must not cut the cleanup short)
+                    _end(proc.pid)
+                    proc.wait()
             raise
     rows = [DistResult(**row) for row in _tagged(out, RESULT_TAG)]
     envs = _tagged(out, ENV_TAG)

@@ -81,13 +81,13 @@ WIDE_ROW = 8192
 # (BLOCK_N, num_warps) of the forward on wide rows, every form: blocks of 4096 by 16 warps, the second
 # pass re-reading the row from L2, where one block of up to 16384 (a row of 12288 a quarter padding) holds
 # too much a thread (tune_rowwise.py wide-fwd, results/h200/tune_norm_wide_fwd.log,
-# results/h100-80gb-hbm3/tune_norm_wide.log). LayerNorm's, with or without the residual, by
-# WIDE_LAYER_NORM_WARPS (tune_rowwise.py wide-fwd-layer, same log).
+# results/h100-80gb-hbm3/tune_norm_wide.log). Plain LayerNorm's by WIDE_LAYER_NORM_WARPS: 4 warps ran
+# 5-10% faster than 16; add_layer_norm's within 1.3% either way (tune_rowwise.py wide-fwd-layer, same log, run 8).
 WIDE_NORM_FWD = (4096, 16)
 WIDE_LAYER_NORM_WARPS = 4
 # A wide LayerNorm row whose squared mean offset from its first value passes SHIFT_CANCEL times its variance
-# takes the variance again about the mean: E[d^2] - E[d]^2 in float32 would lose about that factor times
-# 2^-24 of it (at most ~4e-6 below the bound).
+# takes its statistics again about the mean: E[d^2] - E[d]^2 in float32 loses about that factor times 2^-24
+# of the variance, times the growth of the sums' rounding (~1e-5 of it below the bound).
 SHIFT_CANCEL = tl.constexpr(64.0)
 
 # One-block rows of at most PAIR_BLOCK values go two a forward program without the residual (fwd_settings).
@@ -101,13 +101,13 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
     power of two, not over its padded block: a row of 5120 in a block of 8192 runs 8 warps, not 16
     (benchmarks/tune_cells.py rms-fwd, results/h100-80gb-hbm3/tune_cells.log), and at most 8 warps: a row of
     8192 ran about as fast or faster with 8 than with 16 on both GPUs (those logs, h200/tune_norm_wide_fwd.log).
-    Wide rows: WIDE_NORM_FWD (WIDE_LAYER_NORM_WARPS for LayerNorm). Without the residual, rows of a
+    Wide rows: WIDE_NORM_FWD (WIDE_LAYER_NORM_WARPS for plain LayerNorm). Without the residual, rows of a
     block of at most PAIR_BLOCK go two a program (ROWS 2: a [2, BLOCK_N] tile, twice the warps) while the
     programs still number two an SM: fewer, larger programs read narrow rows faster; four or eight rows were
     slower than two, and the add_* forms gained nothing (results/h100-80gb-hbm3/norm_fwd_rows.log)."""
     if n_cols > WIDE_ROW:
         block, num_warps = WIDE_NORM_FWD
-        return block, num_warps if is_rms else WIDE_LAYER_NORM_WARPS, 1
+        return block, WIDE_LAYER_NORM_WARPS if not (is_rms or has_residual) else num_warps, 1
     if is_rms and not has_residual:
         block, _ = row_settings(n_cols)
         num_warps = min(8, row_settings(1 << (max(n_cols, 1).bit_length() - 1))[1])
@@ -249,13 +249,20 @@ def _norm_fwd_kernel(
             mean_d = tl.sum(acc_d, axis=0) / n_cols
             mean = shift + mean_d
             var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
-            if mean_d * mean_d > SHIFT_CANCEL * var:  # (each thread reads back the values it wrote)
+            # (or the sums overflowed: a first value past ~1e17)
+            if (mean_d * mean_d > SHIFT_CANCEL * var) | (var == float("inf")):
+                # about the one-pass mean, which itself lost about sqrt(n) 2^-24 of |mean - shift|: its
+                # residue too (each thread reads back the values it wrote)
+                acc_d = tl.zeros([BLOCK_N], dtype=tl.float32)
                 acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_N):
                     c = start + cols
                     d = tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean, 0.0)
+                    acc_d += d
                     acc_sq += d * d
-                var = tl.sum(acc_sq, axis=0) / n_cols
+                residue = tl.sum(acc_d, axis=0) / n_cols
+                mean += residue
+                var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - residue * residue, 0.0)
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
