@@ -219,7 +219,7 @@ def _norm_fwd_kernel(
         # variance in one pass without the cancellation of plain sums of h and h^2 on a row whose mean is
         # large against its spread, and without waiting before the loop for a reduction across the block
         # (tune_rowwise.py wide-fwd-layer). Where that first value lies far out (a "massive activation"),
-        # the sums cancel: such a row takes its variance again, about the mean (a pass over L2).
+        # the sums cancel: such a row takes its statistics again, about the mean (a pass over L2).
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, cols < n_cols, n_cols, dropout_p,
                     seed, HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
         if HAS_RESIDUAL:
