@@ -81,8 +81,8 @@ WIDE_ROW = 8192
 # (BLOCK_N, num_warps) of the forward on wide rows, every form: blocks of 4096 by 16 warps, the second
 # pass re-reading the row from L2, where one block of up to 16384 (a row of 12288 a quarter padding) holds
 # too much a thread (tune_rowwise.py wide-fwd, results/h200/tune_norm_wide_fwd.log,
-# results/h100-80gb-hbm3/tune_norm_wide.log). Plain LayerNorm's by WIDE_LAYER_NORM_WARPS: 4 warps ran
-# 5-10% faster than 16; add_layer_norm's within 1.3% either way (tune_rowwise.py wide-fwd-layer, same log, run 8).
+# results/h100-80gb-hbm3/tune_norm_wide.log). Plain LayerNorm's by WIDE_LAYER_NORM_WARPS, faster than 16
+# there, where add_layer_norm's ran as fast with either (tune_rowwise.py wide-fwd-layer, same log, run 8).
 WIDE_NORM_FWD = (4096, 16)
 WIDE_LAYER_NORM_WARPS = 4
 # A wide LayerNorm row whose squared mean offset from its first value passes SHIFT_CANCEL times its variance
@@ -145,6 +145,14 @@ def bwd_max_block(n_cols: int) -> int:
 
 
 # ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _shifted_moments(acc_d, acc_sq, n_cols):
+    """(mean, variance) of a row from its lanes' sums of d = h - shift and of d^2: the mean of d (add the
+    shift back for h's) and E[d^2] - E[d]^2."""
+    mean_d = tl.sum(acc_d, axis=0) / n_cols
+    return mean_d, tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
 
 
 @triton.jit
@@ -246,9 +254,8 @@ def _norm_fwd_kernel(
             mean = 0.0
             var = tl.sum(acc_sq, axis=0) / n_cols
         else:
-            mean_d = tl.sum(acc_d, axis=0) / n_cols
+            mean_d, var = _shifted_moments(acc_d, acc_sq, n_cols)
             mean = shift + mean_d
-            var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
             # (or the sums overflowed: a first value past ~1e17)
             if (mean_d * mean_d > SHIFT_CANCEL * var) | (var == float("inf")):
                 # about the one-pass mean, which itself lost about sqrt(n) 2^-24 of |mean - shift|: its
@@ -260,9 +267,8 @@ def _norm_fwd_kernel(
                     d = tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean, 0.0)
                     acc_d += d
                     acc_sq += d * d
-                residue = tl.sum(acc_d, axis=0) / n_cols
+                residue, var = _shifted_moments(acc_d, acc_sq, n_cols)
                 mean += residue
-                var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - residue * residue, 0.0)
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
