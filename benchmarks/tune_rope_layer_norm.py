@@ -1,6 +1,6 @@
 """Alternatives to the layer_norm and rope forward kernels, against them (bf16, `bench ops` sizes).
 
-    python benchmarks/tune_rope_layer_norm.py [ln] [rope] [rope-dims]
+    python benchmarks/tune_rope_layer_norm.py [ln] [rope] [rope-dims [token-major]]
 
 Each row: the median of a CUDA-graph replay (GPU time alone) and of ``do_bench`` (per-call
 events, as `bench ops` times: launch and host time included), and the fraction of the copy
@@ -186,11 +186,10 @@ def sweep_rope(copy):
 
 
 def sweep_rope_head_dims(copy):
-    """The production kernel by heads a program (BLOCK_H) and warps at the sweep's head dims. A head
-    of 80 or 96 dims runs in half-blocks of 64 lanes (40 or 48 used), so at the tile rule's BLOCK_H
-    (TILE_ELEMENTS over the padded head) a program moves 62% or 75% of the bytes a 128-dim one does;
-    the H200 sweep had these dims at 0.84-0.92x torch.compile (results/h200/sweep.md). Then the head-major
-    grid (contiguous runs of T tokens of one head a program, as torch.compile's flat kernel reads them)."""
+    """The production kernel (its order named) and torch.compile at the sweep's head dims; with "token-major",
+    that order by heads a program (BLOCK_H) and warps too (a head of 80 or 96 dims runs in half-blocks of 64
+    lanes). Then this script's head-major grid (contiguous runs of T tokens of one head a program, a
+    program's order by whole sequences), the prototype of the production head-major order."""
     from onepass.bench.suites.rope import K_HEADS, Q_HEADS, _hf_rope, _tables
     batch, seq = 4, 16384
     orig_settings, orig_warps = rope._settings, rope.NUM_WARPS
@@ -206,17 +205,22 @@ def sweep_rope_head_dims(copy):
             g, _ = timeit(fn)
             print(f"rope d={d:<3} {label:<36} graph {g*1e3:7.1f} us {nbytes/g/1e6/copy:6.1%}", flush=True)
 
-        report(f"production {orig_settings(d, d, Q_HEADS)[0]}x{orig_warps}", lambda: ops.rope(q, k, cos, sin))
+        order = "head-major" if rope._head_major((q, k), "bhsd", seq) else "token-major"
+        report(f"production ({order})", lambda: ops.rope(q, k, cos, sin))
         report("torch.compile", lambda: compiled(q, k, cos, sin))
-        for block_h, warps in itertools.product((4, 8, 16, 32), (1, 2, 4)):
-            rope._settings = lambda rot, head_dim, n_heads, b_=block_h: (b_, *orig_settings(rot, head_dim, n_heads)[1:])
-            rope.NUM_WARPS = warps
-            qo, ko = ops.rope(q, k, cos, sin)
-            assert torch.equal(qo, q_ref) and torch.equal(ko, k_ref)
-            report(f"block_h={block_h} warps={warps}", lambda: ops.rope(q, k, cos, sin))
-        rope._settings, rope.NUM_WARPS = orig_settings, orig_warps
+        if "token-major" in sys.argv:  # the token-major order by heads a program and warps
+            saved = rope.HEAD_MAJOR_ROW_BYTES
+            rope.HEAD_MAJOR_ROW_BYTES = 0
+            for block_h, warps in itertools.product((4, 8, 16, 32), (1, 2, 4)):
+                rope._settings = lambda rot, head_dim, n_heads, b_=block_h: (b_, *orig_settings(rot, head_dim,
+                                                                                               n_heads)[1:])
+                rope.NUM_WARPS = warps
+                qo, ko = ops.rope(q, k, cos, sin)
+                assert torch.equal(qo, q_ref) and torch.equal(ko, k_ref)
+                report(f"block_h={block_h} warps={warps}", lambda: ops.rope(q, k, cos, sin))
+            rope._settings, rope.NUM_WARPS, rope.HEAD_MAJOR_ROW_BYTES = orig_settings, orig_warps, saved
         qo, ko = torch.empty_like(q), torch.empty_like(k)
-        for t, warps in itertools.product((8, 16, 32), (1, 2, 4)):
+        for t, warps in ((8, 1), (16, 2), (32, 4)):
             run_head_major(q, k, qo, ko, cos, sin, t, warps)
             diff = max((qo.float() - q_ref.float()).abs().max().item(), (ko.float() - k_ref.float()).abs().max().item())
             report(f"head-major T={t} warps={warps} (max diff {diff:.2g})",

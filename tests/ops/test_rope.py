@@ -60,6 +60,53 @@ def test_per_batch_tables_in_token_tiles(layout, device, monkeypatch):
     _check(q, k, cos, sin, torch.float32, layout=layout)
 
 
+@pytest.mark.parametrize("case", ["half", "interleaved", "partial", "position_ids", "shared_table", "inplace"])
+def test_head_major_order_gives_the_token_major_results(case, device, monkeypatch):
+    """Short head rows whose tokens are contiguous run head-major (tokens of one head a program, in tiles of
+    tokens over every head): forward, backward and in place give the token-major order's results (here
+    blocks of 4 tokens in tiles of 8 over 11 tokens, so the last tile and block are partial; equal up to
+    float32 rounding: two compiled kernels may contract the products differently)."""
+    rope = sys.modules["onepass.ops.rope"]
+    monkeypatch.setattr(rope, "HEAD_MAJOR_TOKENS", 4)
+    monkeypatch.setattr(rope, "HEAD_MAJOR_TILE", 8)
+    b, hq, hk, s, d = 2, 3, 2, 11, 16
+    style = "interleaved" if case == "interleaved" else "half"
+    q, k = torch.randn(b, hq, s, d, device=device), torch.randn(b, hk, s, d, device=device)
+    assert rope._head_major((q, k), "bhsd", s)
+    cos, sin = _hf_tables(1 if case == "shared_table" else b, s, 8 if case == "partial" else d, device, style=style)
+    pos = torch.randint(0, s, (b, s), device=device) if case == "position_ids" else None
+    if pos is not None:
+        cos, sin = cos[0], sin[0]
+
+    def run(head_major_bytes):
+        monkeypatch.setattr(rope, "HEAD_MAJOR_ROW_BYTES", head_major_bytes)
+        if case == "inplace":
+            qi, ki = q.clone(), k.clone()
+            ops.rope(qi, ki, cos, sin, pos, inplace=True)
+            return qi, ki
+        qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        qo, ko = ops.rope(qg, kg, cos, sin, pos, style=style)
+        torch.autograd.backward((qo, ko), (q * 0.5, k * 0.5))
+        return qo.detach(), ko.detach(), qg.grad, kg.grad
+
+    head_major, token_major = run(256), run(0)
+    for a, e in zip(head_major, token_major):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+    _check(q.clone(), k.clone(), cos, sin, torch.float32, position_ids=pos, style=style)  # (head-major again)
+
+
+def test_head_major_order_runs_where_a_heads_tokens_are_contiguous_and_its_rows_short():
+    rope = sys.modules["onepass.ops.rope"]
+    bf16 = dict(dtype=torch.bfloat16, device="meta")
+    q80, q128 = torch.empty(1, 4, 64, 80, **bf16), torch.empty(1, 4, 64, 128, **bf16)
+    assert rope._head_major((q80,), "bhsd", 64)
+    assert not rope._head_major((q128,), "bhsd", 64)  # 256-byte rows: token-major was faster
+    assert not rope._head_major((q80.float(),), "bhsd", 64)  # 320-byte rows
+    assert not rope._head_major((q80,), "bhsd", rope.HEAD_MAJOR_TOKENS - 1)
+    projected = torch.empty(1, 64, 4, 80, **bf16).transpose(1, 2)  # HF's q: [B, S, H, D] memory seen as bhsd
+    assert not rope._head_major((projected,), "bhsd", 64) and not rope._head_major((q80,), "bshd", 64)
+
+
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 def test_arbitrary_tables_use_the_exact_transpose(style, device):
     """Tables whose two halves differ (not HF's): forward and backward still match the formula."""
@@ -362,6 +409,17 @@ def test_gpu_bf16_llama_sizes(layout, style):
     k = torch.randn(_shape(layout, b, hk, s, d), dtype=torch.bfloat16, device="cuda")
     cos, sin = _hf_tables(b, s, d, "cuda", base=500000.0, style=style)
     _check(q, k, cos.bfloat16(), sin.bfloat16(), torch.bfloat16, layout=layout, style=style)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 80, 96])
+def test_gpu_bf16_head_major_head_dims(d):
+    b, hq, hk, s = 2, 32, 8, 3000  # a last partial tile of tokens
+    q = torch.randn(b, hq, s, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, hk, s, d, dtype=torch.bfloat16, device="cuda")
+    assert sys.modules["onepass.ops.rope"]._head_major((q, k), "bhsd", s)
+    cos, sin = _hf_tables(b, s, d, "cuda", base=500000.0)
+    _check(q, k, cos.bfloat16(), sin.bfloat16(), torch.bfloat16)
 
 
 @pytest.mark.gpu

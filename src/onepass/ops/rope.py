@@ -22,10 +22,12 @@ per token from L2 for all its heads, small beside q and k):
            *sin (r,w), + (r 2x, w): ~10 passes
     bwd    about the same                                       read dq', dk'; write dq, dk  2 (Nq+Nk) s
 
-Grid: one program per (token, block of BLOCK_H heads); the head blocks of q come first,
-then those of k, so grouped-query k (fewer heads) costs only its own blocks. Programs run
-token by token within each head block, or, for per-batch tables, in tiles of tokens that
-take every head block in turn (TOKEN_TILE), so the tables are read from HBM once.
+Grid, token-major: one program per (token, block of BLOCK_H heads); the head blocks of q come
+first, then those of k, so grouped-query k (fewer heads) costs only its own blocks. Programs
+run token by token within each head block, or, for per-batch tables, in tiles of tokens that
+take every head block in turn (TOKEN_TILE), so the tables are read from HBM once. Head-major,
+where a head's tokens are contiguous (bhsd) and its rows short: one program per block of
+HEAD_MAJOR_TOKENS tokens of one (sequence, head), the table rows re-read from L2 by each head.
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ from onepass.ops.dispatch import (
 TILE_ELEMENTS = 1024
 NUM_WARPS = 1
 TOKEN_TILE = 1024
+# Head-major order (HEAD_MAJOR_TOKENS tokens of one head a program, HEAD_MAJOR_WARPS warps) where a head's tokens
+# are contiguous and its rows short: the token-major program reads its heads' rows of under 256 bytes from places
+# a head apart (2.6 MB at S 16384, d 80), the head-major one a contiguous run. H200, d 64/80/96: 8-11% faster
+# than token-major; d 128 (256-byte rows) 3% slower (tune_rope_layer_norm.py rope-dims,
+# results/h200/tune_rope_layer_norm.log).
+HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
+# Tokens of a sequence a head-major tile (each head in turn): its table rows (under 8 MiB) stay in L2 for the
+# next head, while each head's run stays long.
+HEAD_MAJOR_TILE = 16384
 TABLE_ELEMENTS = 2048  # angles a program of rope_tables computes (a decode step: one program)
 
 LAYOUTS = ("bhsd", "bshd")
@@ -106,67 +117,112 @@ def _store_pairs(rows, rows_ok, o1, o2, ROT: tl.constexpr, INTERLEAVED: tl.const
 
 
 @triton.jit
-def _rope_heads(x_ptr, o_ptr, x_head_stride, o_head_stride, h0, n_heads, c1, c2, s1, s2,
-                ROT: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """Rotate BLOCK_H heads of one token (x_ptr, o_ptr point at the token's head 0)."""
-    heads = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
-    x_rows = x_ptr + (heads * x_head_stride)[:, None]
-    o_rows = o_ptr + (heads * o_head_stride)[:, None]
-    heads_ok = (heads < n_heads)[:, None]
-    x1, x2 = _load_pairs(x_rows, heads_ok, ROT, INTERLEAVED, BLOCK_H, BLOCK_HALF)
-    _store_pairs(o_rows, heads_ok, x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, ROT, INTERLEAVED, BLOCK_H, BLOCK_HALF)
+def _rope_rows(x_rows, o_rows, rows_ok, c1, c2, s1, s2, ROT: tl.constexpr, HEAD_DIM: tl.constexpr,
+               INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               BLOCK_REST: tl.constexpr):
+    """Rotate BLOCK_R rows (pointers [BLOCK_R, 1]: heads of one token, or tokens of one head)."""
+    x1, x2 = _load_pairs(x_rows, rows_ok, ROT, INTERLEAVED, BLOCK_R, BLOCK_HALF)
+    _store_pairs(o_rows, rows_ok, x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, ROT, INTERLEAVED, BLOCK_R, BLOCK_HALF)
     if COPY_REST:  # out of place with partial rotary: the dims past ROT pass through
         rest = ROT + tl.arange(0, BLOCK_REST)[None, :]
-        rest_ok = heads_ok & (rest < HEAD_DIM)
+        rest_ok = rows_ok & (rest < HEAD_DIM)
         tl.store(o_rows + rest, tl.load(x_rows + rest, mask=rest_ok), mask=rest_ok)
+
+
+@triton.jit
+def _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_stride, cos_row_stride,
+                pos_batch_stride, pos_seq_stride, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                BACKWARD: tl.constexpr, HAS_POS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """(c1, c2, s1, s2) of the tokens (b, s) (scalars, or [BLOCK_R, 1] vectors), each [BLOCK_R, BLOCK_HALF]:
+    their table rows, gathered through position_ids or their own (batch, seq) rows."""
+    if HAS_POS:
+        row = tl.load(pos_ptr + b * pos_batch_stride + s * pos_seq_stride, mask=s_ok, other=0).to(tl.int64)
+        row_ok = s_ok & (row >= 0) & (row < table_rows)  # never read outside the table
+        table = row * cos_row_stride
+    else:
+        row_ok = s_ok
+        table = b * cos_batch_stride + s * cos_row_stride
+    c1, c2 = _load_pairs(cos_ptr + table, row_ok, ROT, INTERLEAVED, BLOCK_R, BLOCK_HALF)
+    s1, s2 = _load_pairs(sin_ptr + table, row_ok, ROT, INTERLEAVED, BLOCK_R, BLOCK_HALF)
+    if BACKWARD:
+        return c1, c2, -s2, -s1
+    return c1, c2, s1, s2
 
 
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
-    seq, n_tokens, n_q_heads, n_k_heads, q_head_blocks, n_blocks, table_rows,
+    seq, n_tokens, n_q_heads, n_k_heads, q_head_blocks, n_blocks, table_rows, tile_blocks,
     q_batch_stride, q_seq_stride, q_head_stride, k_batch_stride, k_seq_stride, k_head_stride,
     qo_batch_stride, qo_seq_stride, qo_head_stride, ko_batch_stride, ko_seq_stride, ko_head_stride,
     cos_batch_stride, cos_row_stride, pos_batch_stride, pos_seq_stride,
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     HAS_POS: tl.constexpr, COPY_REST: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, TOKEN_TILE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    TOKEN_TILE: tl.constexpr,
 ):
-    # Program order: with TOKEN_TILE = 0, every token for head block 0, then for block 1,
-    # ...; else tiles of TOKEN_TILE tokens, each taking all head blocks in turn, so its
-    # table rows are reused from L2 by every block instead of streamed once a block.
-    pid = tl.program_id(0).to(tl.int64)
-    if TOKEN_TILE == 0:
-        block = (pid // n_tokens).to(tl.int32)
-        token = pid % n_tokens
-    else:
-        tile, within = pid // (n_blocks * TOKEN_TILE), pid % (n_blocks * TOKEN_TILE)
-        block = (within // TOKEN_TILE).to(tl.int32)
-        token = tile * TOKEN_TILE + within % TOKEN_TILE
-        if token >= n_tokens:
-            return
-    b, s = token // seq, token % seq
-    # the token's table row: gathered through position_ids, or its own (batch, seq) row
-    if HAS_POS:
-        row = tl.load(pos_ptr + b * pos_batch_stride + s * pos_seq_stride).to(tl.int64)
-        row_ok = (row >= 0) & (row < table_rows)  # never read outside the table
-        table = row * cos_row_stride
-    else:
-        row_ok = True
-        table = b * cos_batch_stride + s * cos_row_stride
-    c1, c2 = _load_pairs(cos_ptr + table, row_ok, ROT, INTERLEAVED, 1, BLOCK_HALF)
-    s1, s2 = _load_pairs(sin_ptr + table, row_ok, ROT, INTERLEAVED, 1, BLOCK_HALF)
-    if BACKWARD:
-        s1, s2 = -s2, -s1
-    if block < q_head_blocks:
-        _rope_heads(q_ptr + b * q_batch_stride + s * q_seq_stride, qo_ptr + b * qo_batch_stride + s * qo_seq_stride,
-                    q_head_stride, qo_head_stride, block * BLOCK_H, n_q_heads, c1, c2, s1, s2,
-                    ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_HALF, BLOCK_REST)
-    else:
-        _rope_heads(k_ptr + b * k_batch_stride + s * k_seq_stride, ko_ptr + b * ko_batch_stride + s * ko_seq_stride,
-                    k_head_stride, ko_head_stride, (block - q_head_blocks) * BLOCK_H, n_k_heads, c1, c2, s1, s2,
-                    ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_HALF, BLOCK_REST)
+    if BLOCK_T > 1:
+        # Head-major: BLOCK_T tokens of one (sequence, head) a program, each reading one contiguous run of
+        # its head's rows. Tiles of tile_blocks such blocks of a sequence (at most HEAD_MAJOR_TILE tokens)
+        # take each head in turn (q's heads, then k's), its tokens fastest: the heads re-read a tile's table
+        # rows from L2. No early return for a partial block: it cost the sm_90 build 28 registers a thread
+        # (96 against 68), and occupancy with them.
+        pid = tl.program_id(0)
+        n_heads = n_q_heads + n_k_heads
+        per_tile = n_heads * tile_blocks
+        per_seq = tl.cdiv(tl.cdiv(seq, BLOCK_T), tile_blocks) * per_tile
+        b = (pid // per_seq).to(tl.int64)
+        within = pid % per_seq
+        head = within // tile_blocks % n_heads
+        first = (within // per_tile * tile_blocks + within % tile_blocks) * BLOCK_T
+        s = (first + tl.arange(0, BLOCK_T))[:, None]
+        s_ok = s < seq
+        s = s.to(tl.int64)
+        c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_stride,
+                                     cos_row_stride, pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD,
+                                     HAS_POS, BLOCK_T, BLOCK_HALF)
+        # the head's first rows in and out, chosen as scalars; its tokens are HEAD_DIM apart in every tensor
+        # (_head_major), so one offset vector serves both (fewer registers: a thread holds 16 values a tensor)
+        if head < n_q_heads:
+            x_head = q_ptr + b * q_batch_stride + head * q_head_stride
+            o_head = qo_ptr + b * qo_batch_stride + head * qo_head_stride
+        else:
+            x_head = k_ptr + b * k_batch_stride + (head - n_q_heads) * k_head_stride
+            o_head = ko_ptr + b * ko_batch_stride + (head - n_q_heads) * ko_head_stride
+        rows = s * HEAD_DIM
+        _rope_rows(x_head + rows, o_head + rows, s_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST,
+                   BLOCK_T, BLOCK_HALF, BLOCK_REST)
+    else:  # (an else, not a return: the compiler would type the code after a static if's return too)
+        # Token-major: one token's block of BLOCK_H heads a program. With TOKEN_TILE = 0, every token for
+        # head block 0, then for block 1, ...; else tiles of TOKEN_TILE tokens, each taking all head blocks in
+        # turn, so its table rows are reused from L2 by every block instead of streamed once a block.
+        pid = tl.program_id(0).to(tl.int64)
+        if TOKEN_TILE == 0:
+            block = (pid // n_tokens).to(tl.int32)
+            token = pid % n_tokens
+        else:
+            tile, within = pid // (n_blocks * TOKEN_TILE), pid % (n_blocks * TOKEN_TILE)
+            block = (within // TOKEN_TILE).to(tl.int32)
+            token = tile * TOKEN_TILE + within % TOKEN_TILE
+            if token >= n_tokens:
+                return
+        b, s = token // seq, token % seq
+        c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s < seq, table_rows, cos_batch_stride,
+                                     cos_row_stride, pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD,
+                                     HAS_POS, 1, BLOCK_HALF)
+        heads = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]
+        if block < q_head_blocks:
+            heads += block * BLOCK_H
+            x_rows = q_ptr + b * q_batch_stride + s * q_seq_stride + heads * q_head_stride
+            o_rows = qo_ptr + b * qo_batch_stride + s * qo_seq_stride + heads * qo_head_stride
+            heads_ok = heads < n_q_heads
+        else:
+            heads += (block - q_head_blocks) * BLOCK_H
+            x_rows = k_ptr + b * k_batch_stride + s * k_seq_stride + heads * k_head_stride
+            o_rows = ko_ptr + b * ko_batch_stride + s * ko_seq_stride + heads * ko_head_stride
+            heads_ok = heads < n_k_heads
+        _rope_rows(x_rows, o_rows, heads_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_H,
+                   BLOCK_HALF, BLOCK_REST)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -213,10 +269,18 @@ def _tables(cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], layout: st
 
 
 def _settings(rot: int, head_dim: int, n_heads: int) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_HALF, BLOCK_REST)."""
+    """(BLOCK_H, BLOCK_HALF, BLOCK_REST) of the token-major order."""
     block_half = next_power_of_2(rot // 2)
     block_h = min(next_power_of_2(n_heads), max(1, TILE_ELEMENTS // (2 * block_half)))
     return block_h, block_half, next_power_of_2(max(head_dim - rot, 1))
+
+
+def _head_major(tensors: tuple[Tensor, ...], layout: str, seq: int) -> bool:
+    """Whether the head-major order runs: where each tensor's tokens of one head are one contiguous run and
+    its head rows are shorter than HEAD_MAJOR_ROW_BYTES."""
+    return seq >= HEAD_MAJOR_TOKENS and all(
+        t.shape[-1] * t.element_size() < HEAD_MAJOR_ROW_BYTES and _bsh_strides(t, layout)[1] == t.shape[-1]
+        for t in tensors)
 
 
 def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
@@ -230,19 +294,28 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     block_h, block_half, block_rest = _settings(rot, d, max(hq, hk))
     q_blocks = cdiv(hq, block_h)
     n_blocks = q_blocks + cdiv(hk, block_h)
-    # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
-    # table stays in L2 anyway, and tokens in order read q and k in longer runs. At most one
-    # tile of tokens is that order already, without a tile's spare programs (thousands for a
-    # short prompt's few tokens)
-    tile = TOKEN_TILE if cos_batch_stride and b * s > TOKEN_TILE else 0
-    launch(_rope_kernel, (cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks,),
+    block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
+                          else (1, NUM_WARPS))
+    if block_t > 1:  # even tiles of at most HEAD_MAJOR_TILE tokens: a partial block or so a tile to spare
+        tile_blocks = cdiv(cdiv(s, cdiv(s, HEAD_MAJOR_TILE)), block_t)
+        grid = b * cdiv(cdiv(s, block_t), tile_blocks) * (hq + hk) * tile_blocks
+        tile = 0
+    else:
+        tile_blocks = 0
+        # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
+        # table stays in L2 anyway, and tokens in order read q and k in longer runs. At most one
+        # tile of tokens is that order already, without a tile's spare programs (thousands for a
+        # short prompt's few tokens)
+        tile = TOKEN_TILE if cos_batch_stride and b * s > TOKEN_TILE else 0
+        grid = cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks
+    launch(_rope_kernel, (grid,),
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
-        s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2],
+        s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2], tile_blocks,
         *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(q_out, layout), *_bsh_strides(k_out, layout),
         cos_batch_stride, cos.stride(-2), pos_batch_stride, pos_seq_stride,
         ROT=rot, HEAD_DIM=d, INTERLEAVED=interleaved, BACKWARD=backward, HAS_POS=pos is not None,
-        COPY_REST=rot < d and q_out is not q, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
-        TOKEN_TILE=tile, num_warps=NUM_WARPS,
+        COPY_REST=rot < d and q_out is not q, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_HALF=block_half,
+        BLOCK_REST=block_rest, TOKEN_TILE=tile, num_warps=num_warps,
     )
 
 
