@@ -86,7 +86,7 @@ WIDE_ROW = 8192
 WIDE_NORM_FWD = (4096, 16)
 WIDE_LAYER_NORM_WARPS = 4
 # A wide LayerNorm row whose squared mean offset from its first value passes SHIFT_CANCEL times its variance
-# takes its statistics again about the mean: E[d^2] - E[d]^2 in float32 loses about that factor times 2^-24
+# takes its variance again about the mean: E[d^2] - E[d]^2 in float32 loses about that factor times 2^-24
 # of the variance, times the growth of the sums' rounding (~1e-5 of it below the bound).
 SHIFT_CANCEL = tl.constexpr(64.0)
 
@@ -145,14 +145,6 @@ def bwd_max_block(n_cols: int) -> int:
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _shifted_moments(acc_d, acc_sq, n_cols):
-    """(mean, variance) of a row from its lanes' sums of d = h - shift and of d^2: the mean of d (add the
-    shift back for h's) and E[d^2] - E[d]^2."""
-    mean_d = tl.sum(acc_d, axis=0) / n_cols
-    return mean_d, tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
 
 
 @triton.jit
@@ -227,7 +219,7 @@ def _norm_fwd_kernel(
         # variance in one pass without the cancellation of plain sums of h and h^2 on a row whose mean is
         # large against its spread, and without waiting before the loop for a reduction across the block
         # (tune_rowwise.py wide-fwd-layer). Where that first value lies far out (a "massive activation"),
-        # the sums cancel: such a row takes its statistics again, about the mean (a pass over L2).
+        # the sums cancel: such a row takes its variance again, about the mean (a pass over L2).
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, cols < n_cols, n_cols, dropout_p,
                     seed, HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
         if HAS_RESIDUAL:
@@ -254,21 +246,21 @@ def _norm_fwd_kernel(
             mean = 0.0
             var = tl.sum(acc_sq, axis=0) / n_cols
         else:
-            mean_d, var = _shifted_moments(acc_d, acc_sq, n_cols)
+            mean_d = tl.sum(acc_d, axis=0) / n_cols
             mean = shift + mean_d
+            var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
             # (or the sums overflowed: a first value past ~1e17)
             if (mean_d * mean_d > SHIFT_CANCEL * var) | (var == float("inf")):
-                # about the one-pass mean, which itself lost about sqrt(n) 2^-24 of |mean - shift|: its
-                # residue too (each thread reads back the values it wrote)
-                acc_d = tl.zeros([BLOCK_N], dtype=tl.float32)
+                # The variance about the one-pass mean. That mean needs no second look: its error is about
+                # 2^-24 |mean - shift| times the sums' small rounding growth, and (mean - shift)^2 <= n var
+                # (the shift is one of the row's values), so under 2^-24 sqrt(n) std. Summing h - mean too
+                # to correct it cost every wide row 5% (results/h200/tune_norm_wide_fwd.log, run 10).
                 acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for start in range(0, n_cols, BLOCK_N):
+                for start in range(0, n_cols, BLOCK_N):  # (each thread reads back the values it wrote)
                     c = start + cols
                     d = tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean, 0.0)
-                    acc_d += d
                     acc_sq += d * d
-                residue, var = _shifted_moments(acc_d, acc_sq, n_cols)
-                mean += residue
+                var = tl.sum(acc_sq, axis=0) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
