@@ -105,6 +105,8 @@ def test_head_major_order_runs_where_a_heads_tokens_are_contiguous_and_its_rows_
     assert not rope._head_major((q80,), "bhsd", rope.HEAD_MAJOR_TOKENS - 1)
     projected = torch.empty(1, 64, 4, 80, **bf16).transpose(1, 2)  # HF's q: [B, S, H, D] memory seen as bhsd
     assert not rope._head_major((projected,), "bhsd", 64) and not rope._head_major((q80,), "bshd", 64)
+    many = torch.empty(1 << 16, 1, 16, 80, **bf16)  # 65536 sequences: past the grid's third dim
+    assert rope._head_major((many[:-1],), "bhsd", 16) and not rope._head_major((many,), "bhsd", 16)
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])

@@ -152,7 +152,7 @@ def _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_str
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
-    seq, n_tokens, n_q_heads, n_k_heads, q_head_blocks, n_blocks, table_rows, tile_blocks,
+    seq, n_tokens, n_q_heads, n_k_heads, q_head_blocks, n_blocks, table_rows, tile_blocks, n_tiles,
     q_batch_stride, q_seq_stride, q_head_stride, k_batch_stride, k_seq_stride, k_head_stride,
     qo_batch_stride, qo_seq_stride, qo_head_stride, ko_batch_stride, ko_seq_stride, ko_head_stride,
     cos_batch_stride, cos_row_stride, pos_batch_stride, pos_seq_stride,
@@ -165,22 +165,16 @@ def _rope_kernel(
         # Head-major: BLOCK_T tokens of one (sequence, head) a program, each reading one contiguous run of
         # its head's rows. Tiles of tile_blocks such blocks of a sequence (at most HEAD_MAJOR_TILE tokens)
         # take each head in turn (q's heads, then k's), its tokens fastest: the heads re-read a tile's table
-        # rows from L2. No early return for a partial block: it cost the sm_90 build 28 registers a thread
-        # (96 against 68), and occupancy with them.
-        pid = tl.program_id(0)
-        n_heads = n_q_heads + n_k_heads
-        per_tile = n_heads * tile_blocks
-        per_seq = tl.cdiv(tl.cdiv(seq, BLOCK_T), tile_blocks) * per_tile
-        b = (pid // per_seq).to(tl.int64)
-        within = pid % per_seq
-        head = within // tile_blocks % n_heads
-        first = (within // per_tile * tile_blocks + within % tile_blocks) * BLOCK_T
+        # rows from L2. The grid is (block in tile, head, sequence x tile), so that a program finds its place
+        # without divisions by runtime values (n_tiles is 1 up to a tile's length: specialized away): 140
+        # instructions of them before the first load cost 11% at head dims 80 and 96 (H200). No early return
+        # for a partial block either: it cost the sm_90 build 28 registers a thread (96 against 68).
+        head = tl.program_id(1)
+        b = (tl.program_id(2) // n_tiles).to(tl.int64)
+        first = ((tl.program_id(2) % n_tiles) * tile_blocks + tl.program_id(0)) * BLOCK_T
         s = (first + tl.arange(0, BLOCK_T))[:, None]
         s_ok = s < seq
         s = s.to(tl.int64)
-        c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_stride,
-                                     cos_row_stride, pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD,
-                                     HAS_POS, BLOCK_T, BLOCK_HALF)
         # the head's first rows in and out, chosen as scalars; its tokens are HEAD_DIM apart in every tensor
         # (_head_major), so one offset vector serves both (fewer registers: a thread holds 16 values a tensor)
         if head < n_q_heads:
@@ -189,6 +183,9 @@ def _rope_kernel(
         else:
             x_head = k_ptr + b * k_batch_stride + (head - n_q_heads) * k_head_stride
             o_head = ko_ptr + b * ko_batch_stride + (head - n_q_heads) * ko_head_stride
+        c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_stride,
+                                     cos_row_stride, pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD,
+                                     HAS_POS, BLOCK_T, BLOCK_HALF)
         rows = s * HEAD_DIM
         _rope_rows(x_head + rows, o_head + rows, s_ok, c1, c2, s1, s2, ROT, HEAD_DIM, INTERLEAVED, COPY_REST,
                    BLOCK_T, BLOCK_HALF, BLOCK_REST)
@@ -277,10 +274,11 @@ def _settings(rot: int, head_dim: int, n_heads: int) -> tuple[int, int, int]:
 
 def _head_major(tensors: tuple[Tensor, ...], layout: str, seq: int) -> bool:
     """Whether the head-major order runs: where each tensor's tokens of one head are one contiguous run and
-    its head rows are shorter than HEAD_MAJOR_ROW_BYTES."""
+    its head rows are shorter than HEAD_MAJOR_ROW_BYTES (and its grid's second and third dims, q's and k's
+    heads and sequences x tiles, fit CUDA's limit of 65535)."""
     return seq >= HEAD_MAJOR_TOKENS and all(
         t.shape[-1] * t.element_size() < HEAD_MAJOR_ROW_BYTES and _bsh_strides(t, layout)[1] == t.shape[-1]
-        for t in tensors)
+        and t.shape[0] * cdiv(seq, HEAD_MAJOR_TILE) < 2**16 and t.shape[1] < 2**15 for t in tensors)
 
 
 def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
@@ -297,20 +295,21 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
                           else (1, NUM_WARPS))
     if block_t > 1:  # even tiles of at most HEAD_MAJOR_TILE tokens: a partial block or so a tile to spare
-        tile_blocks = cdiv(cdiv(s, cdiv(s, HEAD_MAJOR_TILE)), block_t)
-        grid = b * cdiv(cdiv(s, block_t), tile_blocks) * (hq + hk) * tile_blocks
+        n_tiles = cdiv(s, HEAD_MAJOR_TILE)
+        tile_blocks = cdiv(cdiv(s, n_tiles), block_t)
+        grid = (tile_blocks, hq + hk, b * n_tiles)
         tile = 0
     else:
-        tile_blocks = 0
+        tile_blocks = n_tiles = 0
         # tiles for per-batch tables ([B, S, R], 2 x 4 MiB in the benchmark); a shared or gathered
         # table stays in L2 anyway, and tokens in order read q and k in longer runs. At most one
         # tile of tokens is that order already, without a tile's spare programs (thousands for a
         # short prompt's few tokens)
         tile = TOKEN_TILE if cos_batch_stride and b * s > TOKEN_TILE else 0
-        grid = cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks
-    launch(_rope_kernel, (grid,),
+        grid = (cdiv(b * s, tile) * n_blocks * tile if tile else b * s * n_blocks,)
+    launch(_rope_kernel, grid,
         q, k, q_out, k_out, cos, sin, pos if pos is not None else cos,
-        s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2], tile_blocks,
+        s, b * s, hq, hk, q_blocks, n_blocks, cos.shape[-2], tile_blocks, n_tiles,
         *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(q_out, layout), *_bsh_strides(k_out, layout),
         cos_batch_stride, cos.stride(-2), pos_batch_stride, pos_seq_stride,
         ROT=rot, HEAD_DIM=d, INTERLEAVED=interleaved, BACKWARD=backward, HAS_POS=pos is not None,
