@@ -66,9 +66,8 @@ NUM_WARPS = 1
 TOKEN_TILE = 1024
 # Head-major order (HEAD_MAJOR_TOKENS tokens of one head a program, HEAD_MAJOR_WARPS warps) where a head's tokens
 # are contiguous and its rows short: the token-major program reads its heads' rows of under 256 bytes from places
-# a head apart (2.6 MB at S 16384, d 80), the head-major one a contiguous run. H200, d 64/80/96: 8-11% faster
-# than token-major; d 128 (256-byte rows) 3% slower (tune_rope_layer_norm.py rope-dims,
-# results/h200/tune_rope_layer_norm.log).
+# a head apart (2.6 MB at S 16384, d 80), the head-major one a contiguous run. H200: faster than token-major at
+# d 64/80/96, slower at d 128 (256-byte rows) (tune_rope_layer_norm.py rope-dims, results/h200/tune_rope_layer_norm.log).
 HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
 # Tokens of a sequence a head-major tile (each head in turn): its table rows (under 8 MiB) stay in L2 for the
 # next head, while each head's run stays long.
@@ -166,9 +165,9 @@ def _rope_kernel(
         # its head's rows. Tiles of tile_blocks such blocks of a sequence (at most HEAD_MAJOR_TILE tokens)
         # take each head in turn (q's heads, then k's), its tokens fastest: the heads re-read a tile's table
         # rows from L2. The grid is (block in tile, head, sequence x tile), so that a program finds its place
-        # without divisions by runtime values (n_tiles is 1 up to a tile's length: specialized away): 140
-        # instructions of them before the first load cost 11% at head dims 80 and 96 (H200). No early return
-        # for a partial block either: it cost the sm_90 build 28 registers a thread (96 against 68).
+        # without divisions by runtime values (n_tiles is 1 up to a tile's length: specialized away): a flat
+        # grid's put 140 instructions before the first load, 6% of the time at head dims 80 and 96 (same log,
+        # session 40). No early return for a partial block either: it cost the sm_90 build 28 registers a thread.
         head = tl.program_id(1)
         b = (tl.program_id(2) // n_tiles).to(tl.int64)
         first = ((tl.program_id(2) % n_tiles) * tile_blocks + tl.program_id(0)) * BLOCK_T
