@@ -67,7 +67,7 @@ TOKEN_TILE = 1024
 # Head-major order (HEAD_MAJOR_TOKENS tokens of one head a program, HEAD_MAJOR_WARPS warps) where a head's tokens
 # are contiguous and its rows short: the token-major program reads its heads' rows of under 256 bytes from places
 # a head apart (2.6 MB at S 16384, d 80), the head-major one a contiguous run. H200: faster than token-major at
-# d 64/80/96, slower at d 128 (256-byte rows) (tune_rope_layer_norm.py rope-dims, results/h200/tune_rope_layer_norm.log).
+# d 64/80/96, slower at d 128 (256-byte rows) (tune_rope_layer_norm.py rope-dims, h200/tune_rope_layer_norm.log).
 HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
 # Tokens of a sequence a head-major tile (each head in turn): its table rows (under 8 MiB) stay in L2 for the
 # next head, while each head's run stays long.
