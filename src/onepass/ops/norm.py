@@ -86,7 +86,7 @@ WIDE_ROW = 8192
 WIDE_NORM_FWD = (4096, 16)
 WIDE_LAYER_NORM_WARPS = 4
 # A wide LayerNorm row whose squared mean offset from its first value passes SHIFT_CANCEL times its variance
-# takes its variance again about the mean: E[d^2] - E[d]^2 in float32 loses about that factor times 2^-24
+# takes its statistics again about the mean: E[d^2] - E[d]^2 in float32 loses about that factor times 2^-24
 # of the variance, times the growth of the sums' rounding (~1e-5 of it below the bound).
 SHIFT_CANCEL = tl.constexpr(64.0)
 
@@ -219,7 +219,7 @@ def _norm_fwd_kernel(
         # variance in one pass without the cancellation of plain sums of h and h^2 on a row whose mean is
         # large against its spread, and without waiting before the loop for a reduction across the block
         # (tune_rowwise.py wide-fwd-layer). Where that first value lies far out (a "massive activation"),
-        # the sums cancel: such a row takes its variance again, about the mean (a pass over L2).
+        # the sums cancel: such a row takes its statistics again, about the mean (passes over L2).
         h = _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, cols < n_cols, n_cols, dropout_p,
                     seed, HAS_RESIDUAL, HAS_DROPOUT, "evict_last")
         if HAS_RESIDUAL:
@@ -251,12 +251,18 @@ def _norm_fwd_kernel(
             var = tl.maximum(tl.sum(acc_sq, axis=0) / n_cols - mean_d * mean_d, 0.0)
             # (or the sums overflowed: a first value past ~1e17)
             if (mean_d * mean_d > SHIFT_CANCEL * var) | (var == float("inf")):
-                # The variance about the one-pass mean. That mean needs no second look: its error is about
-                # 2^-24 |mean - shift| times the sums' small rounding growth, and (mean - shift)^2 <= n var
-                # (the shift is one of the row's values), so under 2^-24 sqrt(n) std. Summing h - mean too
-                # to correct it cost every wide row 5% (results/h200/tune_norm_wide_fwd.log, run 10).
-                acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+                # Statistics about the one-pass mean, in two passes over L2: its residue first (that mean lost
+                # ~2^-24 sqrt(n) of the spread: (mean - shift)^2 <= n var, the shift being a value of the row),
+                # then the variance about the corrected mean. One sum a pass: a pass summing both d and d^2
+                # changed the sm_90 schedule of pass 1 and cost every wide row 5% (tune_norm_wide_fwd.log, run 10).
+                residue = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_N):  # (each thread reads back the values it wrote)
+                    c = start + cols
+                    residue += tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean,
+                                        0.0)
+                mean += tl.sum(residue, axis=0) / n_cols
+                acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for start in range(0, n_cols, BLOCK_N):
                     c = start + cols
                     d = tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean, 0.0)
                     acc_sq += d * d
