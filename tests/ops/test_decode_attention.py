@@ -42,17 +42,6 @@ def test_different_lengths_per_sequence(num_splits, chunks, device):
     _check(q, k, v, [70, 1, 17, 69], torch.float32, num_splits=num_splits)
 
 
-def test_last_chunk_merges_in_tiles_and_leaves_the_counters_zero(chunks, device, monkeypatch):
-    """The last of a sequence's chunks to finish merges them, here in tiles of 2 rows x 1 chunk (6 rows: 3 q
-    heads a kv head x 2 new tokens; 5 chunks): twice in a row, the counters zero after each call."""
-    from onepass.ops import dispatch
-    monkeypatch.setattr(importlib.import_module("onepass.ops.decode_attention"), "MERGE_ELEMENTS", 32)
-    q, k, v = _inputs(3, 6, 2, 2, 90, 16, torch.float32, device)
-    for _ in range(2):
-        _check(q, k, v, [90, 41, 7], torch.float32, num_splits=5)
-        assert not dispatch.split_counters_made[("decode_attention", q.device)].any()
-
-
 @pytest.mark.parametrize("window", [None, 100])
 def test_ragged_batch(window, chunks, device):
     """A ragged batch: one long sequence (past a window), short ones, an empty one, several

@@ -21,14 +21,12 @@ lengths on the GPU (a cumulative sum of c over the batch, no host sync). Program
 head) runs the online softmax of ``onepass.ops.attention`` over its chunk for ALL q heads
 of the kv group and all Tq tokens at once (group * Tq rows, padded to 16, are the M side
 of tl.dot), so each K/V byte is read once per kv head, not once per q head. It writes a
-partial output and LSE per row and chunk (fp32); the last of a sequence's chunks to finish
-(for its kv head: a counter per pair) merges them, in the same launch:
+partial output and LSE per row and chunk (fp32); a second kernel merges the chunks:
 
     o = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
 
-With one split the program writes o itself (benchmarks/results/h200/decode_attention_splits.log).
-Launches share the counters (each pair's last program zeroes its own), so two must not run at
-once: one model's decode steps on two streams at a time would mix them up.
+With one split the program writes o itself and there is no second launch
+(benchmarks/results/h200/decode_attention_splits.log).
 
 Byte budget (B batch, Hk kv heads, L valid positions (within a window: at most W + Tq - 1),
 head dim D, element size e):
@@ -69,8 +67,6 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     num_programs_for,
     route,
-    split_counters,
-    tracing,
     triton_op,
     unit_stride,
     use_triton,
@@ -93,8 +89,7 @@ MAX_ROWS = 128  # q heads per kv head x new tokens: the M side of one program's 
 # first costs more than the balance it buys; a decode step of a short cache keeps equal splits), a sequence's at
 # most SPREAD times the even share (`splits`): results/h100-80gb-hbm3/decode_attention_ragged.log
 SHARED_MIN_CACHE, SPREAD = 16384, 4
-# Partials a merge tile holds (rows x chunks x head dim, fp32): 32 a thread of the split kernel's 4 warps
-MERGE_ELEMENTS = 4096
+MERGE_WARPS = 4
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -109,9 +104,7 @@ def _chunks(seqlens_ptr, n_batch, n_tokens, cache_len, window, spread, n_slots, 
     visible = tl.maximum(lengths, 0).to(tl.int64)
     if WINDOW:
         visible = tl.minimum(visible, window + n_tokens - 1)
-    # at least one, so an empty sequence's program writes its zeros (the sum stays within B * splits)
-    chunks = tl.maximum(tl.minimum(tl.cdiv(visible * spread, tl.maximum(tl.sum(visible, 0), 1)), n_slots), 1)
-    chunks = chunks.to(tl.int32)
+    chunks = tl.minimum(tl.cdiv(visible * spread, tl.maximum(tl.sum(visible, 0), 1)), n_slots).to(tl.int32)
     return chunks, tl.cumsum(chunks, 0), lengths
 
 
@@ -123,13 +116,13 @@ def _at(values, bs, b):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr, count_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr, o_ptr,
     q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
     o_stride_b, o_stride_h, o_stride_t, n_batch, n_kv_heads, group, n_tokens, cache_len, spread, n_slots, scale,
     softcap, window,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, DIRECT: tl.constexpr, MERGE_R: tl.constexpr, MERGE_S: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     launch_next_kernel(PDL)
@@ -183,55 +176,44 @@ def _decode_split_kernel(
         tl.store(o_ptr + b64 * o_stride_b + h64[:, None] * o_stride_h + t[:, None] * o_stride_t + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         return
-    # rows of the partials [B * H * Tq, n_slots, D]: this (sequence, kv head)'s group * Tq rows are consecutive
-    first = (b64 * n_kv_heads + hk64) * group * n_tokens
-    at = (first + rows) * n_slots + split
+    part = (b64 * n_kv_heads * group + h64) * n_tokens + t  # row of [B * H * Tq, n_slots, D]
+    at = part * n_slots + split
     tl.store(o_part_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_part_ptr + at, lse, mask=row_ok)
-    # The last of the sequence's chunks to finish, for this kv head (a counter, zeroed again by that program),
-    # merges them, in chunk order (the result does not depend on which finished last):
-    #     o = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
-    tl.debug_barrier()  # every thread's partials stored before the count that releases them
-    count = count_ptr + b64 * n_kv_heads + hk64
-    if tl.atomic_add(count, 1, sem="acq_rel") < n_chunks - 1:
-        return
-    tl.store(count, 0)
-    _merge_chunks(o_part_ptr + first * n_slots * HEAD_DIM, lse_part_ptr + first * n_slots,
-                  o_ptr + b64 * o_stride_b + hk64 * group * o_stride_h, o_stride_h, o_stride_t, group * n_tokens,
-                  n_tokens, n_chunks, n_slots, HEAD_DIM, MERGE_R, MERGE_S, BLOCK_D)
 
 
 @triton.jit
-def _merge_chunks(o_part, lse_part, out, o_stride_h, o_stride_t, n_rows, n_tokens, n_chunks, n_slots,
-                  HEAD_DIM: tl.constexpr, MERGE_R: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The output rows (q head r // Tq of the group, token r % Tq) from their n_chunks partials, in tiles of
-    MERGE_R rows x MERGE_S chunks (the partials read from L2: other SMs stored them, and this SM's L1 may hold
-    an earlier launch's). An empty chunk (LSE -inf) weighs 0; a row of none is 0."""
+def _decode_merge_kernel(
+    o_part_ptr, lse_part_ptr, o_ptr, seqlens_ptr, n_batch, n_heads, n_tokens, cache_len, spread, n_slots, window,
+    o_stride_b, o_stride_h, o_stride_t,
+    WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    launch_next_kernel(PDL)
+    part = tl.program_id(0).to(tl.int64)
+    b = part // (n_heads * n_tokens)
+    h = part // n_tokens % n_heads
+    t = part % n_tokens
+    splits = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    for r0 in range(0, n_rows, MERGE_R):
-        r = r0 + tl.arange(0, MERGE_R)
-        r_ok = r < n_rows
-        m = tl.full([MERGE_R], float("-inf"), dtype=tl.float32)
-        total = tl.zeros([MERGE_R], dtype=tl.float32)
-        acc = tl.zeros([MERGE_R, BLOCK_D], dtype=tl.float32)
-        for s0 in range(0, n_chunks, MERGE_S):
-            s = s0 + tl.arange(0, MERGE_S)
-            ok = r_ok[:, None] & (s < n_chunks)[None, :]
-            at = r[:, None] * n_slots + s[None, :]  # [MERGE_R, MERGE_S]
-            lse = tl.load(lse_part + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(o_part + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            rescale = tl.exp(m - m_safe)  # (0 while m is -inf)
-            w = tl.exp(lse - m_safe[:, None])
-            total = total * rescale + tl.sum(w, 1)
-            acc = acc * rescale[:, None] + tl.sum(o * w[:, :, None], 1)
-            m = m_new
-        o = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-        tl.store(out + (r // n_tokens)[:, None] * o_stride_h + (r % n_tokens)[:, None] * o_stride_t
-                 + offs_d[None, :], o.to(out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    # every slot loaded; with shared chunks, those past the row's (never written) dropped after: the loads need
+    # not wait for the chunk count
+    in_slots = splits < n_slots
+    lse = tl.load(lse_part_ptr + part * n_slots + splits, mask=in_slots, other=float("-inf"))
+    o = tl.load(o_part_ptr + (part * n_slots + splits)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=in_slots[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if SHARED:
+        chunks, _, _ = _chunks(seqlens_ptr, n_batch, n_tokens, cache_len, window, spread, n_slots, WINDOW, BLOCK_B)
+        s_ok = splits < _at(chunks, tl.arange(0, BLOCK_B), b)
+        lse = tl.where(s_ok, lse, float("-inf"))
+        o = tl.where(s_ok[:, None], o, 0.0)
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # empty chunks weigh 0
+    total = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + b * o_stride_b + h * o_stride_h + t * o_stride_t + offs_d, o.to(o_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -275,23 +257,28 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     shared = not direct and visible >= SHARED_MIN_CACHE
     n_slots = max(splits, min(batch * splits, SPREAD * splits, MAX_SPLITS)) if shared else splits  # a row's chunks
     spread = batch * (splits - 1) + 1
+    pdl = dependent_launch(qv)
     o_part = ov if direct else torch.empty((rows, n_slots, head_dim), dtype=torch.float32, device=q.device)
     lse_part = ov if direct else torch.empty((rows, n_slots), dtype=torch.float32, device=q.device)
-    # a counter per (sequence, kv head); made per call while traced (Inductor sees no state between calls)
-    counts = ov if direct else (torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device) if tracing(qv)
-                                else split_counters(("decode_attention", q.device), q.device, batch * kv_heads))
-    merge_r = min(next_power_of_2(group * n_tokens), max(1, MERGE_ELEMENTS // block_d))
-    merge_s = min(next_power_of_2(n_slots), max(1, MERGE_ELEMENTS // (merge_r * block_d)))
+    block_b = next_power_of_2(batch)
     launch(_decode_split_kernel, (splits * batch * kv_heads,),
-        qv, kv, vv, cache_seqlens, o_part, lse_part, counts, ov,
+        qv, kv, vv, cache_seqlens, o_part, lse_part, ov,
         *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3], *ov.stride()[:3],
         batch, kv_heads, group, n_tokens, cache_len, spread, n_slots, scale, softcap or 1.0, window or 1,
         WINDOW=bool(window), SOFTCAP=bool(softcap), HEAD_DIM=head_dim,
         BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
-        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_B=next_power_of_2(batch),
+        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_B=block_b,
         LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
         PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, SHARED=shared, DIRECT=direct,
-        MERGE_R=merge_r, MERGE_S=merge_s, PDL=dependent_launch(qv),
+        PDL=pdl,
+    )
+    if direct:
+        return out
+    launch(_decode_merge_kernel, (rows,),
+        o_part, lse_part, ov, cache_seqlens, batch, heads, n_tokens, cache_len, spread, n_slots, window or 1,
+        *ov.stride()[:3],
+        WINDOW=bool(window), HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(n_slots), BLOCK_D=block_d, BLOCK_B=block_b,
+        SHARED=shared, PDL=pdl, num_warps=MERGE_WARPS,
     )
     return out
 

@@ -64,7 +64,6 @@ from onepass.ops.dispatch import (
     next_power_of_2,
     num_programs_for,
     route,
-    split_counters,
     tracing,
     triton_op,
     use_triton_dot,
@@ -190,6 +189,20 @@ def _config(x: Tensor, block_m: int, n_in: int, n_features: int, gated: bool) ->
     return block_n, block_k, NUM_WARPS, max(1, min(NUM_STAGES, SHARED_MEMORY // per_stage)), 1
 
 
+# (device, first weight's address) -> int32 counters of a split-K launch's tiles, zero between launches (each
+# tile's last split zeroes its own). Not per stream: a CUDA graph captured after an eager call reuses them, with
+# no fill in the graph. Two launches that share counters must not run at once (see the module's docstring).
+_split_counts: dict = {}
+
+
+def _counters(x: Tensor, weight: Tensor, n_tiles: int) -> Tensor:
+    key = (x.device, weight.data_ptr())
+    counts = _split_counts.get(key)
+    if counts is None or counts.numel() < n_tiles:
+        counts = _split_counts[key] = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+    return counts
+
+
 def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], act: int,
                           residual: Tensor | None = None) -> list[Tensor]:
     """act < 0: one output per weight (plus ``residual``, with one weight); else the gated
@@ -216,8 +229,7 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     split_k = 1 if tracing(x2) else max(1, min(split_k, cdiv(n_in, block_k)))
     slot_len = (1 + gated) * block_m * block_n
     parts, counts = ((torch.empty(n_tiles * split_k * slot_len, dtype=torch.float32, device=x.device),
-                      split_counters(("decode_linear", x.device, ws[0].data_ptr()), x.device, n_tiles))
-                     if split_k > 1 else (x2, x2))
+                      _counters(x2, ws[0], n_tiles)) if split_k > 1 else (x2, x2))
     launch(_decode_linear_kernel, (n_tiles * split_k,),
            x2, *ws, *bs, *ys, r2, parts, counts, n_rows, n_in, *ns, x2.stride(0), r2.stride(0), tiles[0], tiles[1],
            GATED=gated, ACT=max(act, 0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,

@@ -292,23 +292,6 @@ def launch_next_kernel(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# ------------------------------------------------------------------- split counters
-
-# (owner, device, ...) -> int32 counters for launches whose last program of a group (a tile's last K split, a
-# sequence's last chunk) finishes the group's work: zero between launches, since that program zeroes its own.
-# Not per stream: a CUDA graph captured after an eager call reuses them, with no fill in the graph. So two
-# launches with one key must not run at once (one model's decode steps on two streams at a time).
-split_counters_made: dict = {}
-
-
-def split_counters(key: tuple, device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 counters kept under ``key`` (made on the first call, or grown)."""
-    counts = split_counters_made.get(key)
-    if counts is None or counts.numel() < n:
-        counts = split_counters_made[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return counts
-
-
 # ---------------------------------------------------------------------- lean launch
 
 # (kernel, device, specialization, options) -> the compiled kernel Triton returned for it
