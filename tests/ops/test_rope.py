@@ -89,7 +89,7 @@ def test_head_major_order_gives_the_token_major_results(case, device, monkeypatc
         torch.autograd.backward((qo, ko), (q * 0.5, k * 0.5))
         return qo.detach(), ko.detach(), qg.grad, kg.grad
 
-    head_major, token_major = run(256), run(0)
+    token_major, head_major = run(0), run(256)
     for a, e in zip(head_major, token_major):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
     _check(q.clone(), k.clone(), cos, sin, torch.float32, position_ids=pos, style=style)  # (head-major again)
@@ -107,6 +107,8 @@ def test_head_major_order_runs_where_a_heads_tokens_are_contiguous_and_its_rows_
     assert not rope._head_major((projected,), "bhsd", 64) and not rope._head_major((q80,), "bshd", 64)
     many = torch.empty(1 << 16, 1, 16, 80, **bf16)  # 65536 sequences: past the grid's third dim
     assert rope._head_major((many[:-1],), "bhsd", 16) and not rope._head_major((many,), "bhsd", 16)
+    heads = torch.empty(1, 1 << 15, 16, 80, **bf16)  # q's and k's heads, 65536 together: past its second dim
+    assert rope._head_major((heads, heads[:, 1:]), "bhsd", 16) and not rope._head_major((heads, heads), "bhsd", 16)
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])
@@ -416,7 +418,7 @@ def test_gpu_bf16_llama_sizes(layout, style):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 80, 96])
 def test_gpu_bf16_head_major_head_dims(d):
-    b, hq, hk, s = 2, 32, 8, 3000  # a last partial tile of tokens
+    b, hq, hk, s = 2, 32, 8, 20000  # two tiles of tokens, a partial block last
     q = torch.randn(b, hq, s, d, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(b, hk, s, d, dtype=torch.bfloat16, device="cuda")
     assert sys.modules["onepass.ops.rope"]._head_major((q, k), "bhsd", s)

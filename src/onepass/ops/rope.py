@@ -176,12 +176,13 @@ def _rope_kernel(
         s = s.to(tl.int64)
         # the head's first rows in and out, chosen as scalars; its tokens are HEAD_DIM apart in every tensor
         # (_head_major), so one offset vector serves both (fewer registers: a thread holds 16 values a tensor)
+        # (a head's offset in int64: heads x a long sequence pass 2^31 elements)
         if head < n_q_heads:
-            x_head = q_ptr + b * q_batch_stride + head * q_head_stride
-            o_head = qo_ptr + b * qo_batch_stride + head * qo_head_stride
+            x_head = q_ptr + b * q_batch_stride + head.to(tl.int64) * q_head_stride
+            o_head = qo_ptr + b * qo_batch_stride + head.to(tl.int64) * qo_head_stride
         else:
-            x_head = k_ptr + b * k_batch_stride + (head - n_q_heads) * k_head_stride
-            o_head = ko_ptr + b * ko_batch_stride + (head - n_q_heads) * ko_head_stride
+            x_head = k_ptr + b * k_batch_stride + (head - n_q_heads).to(tl.int64) * k_head_stride
+            o_head = ko_ptr + b * ko_batch_stride + (head - n_q_heads).to(tl.int64) * ko_head_stride
         c1, c2, s1, s2 = _table_rows(cos_ptr, sin_ptr, pos_ptr, b, s, s_ok, table_rows, cos_batch_stride,
                                      cos_row_stride, pos_batch_stride, pos_seq_stride, ROT, INTERLEAVED, BACKWARD,
                                      HAS_POS, BLOCK_T, BLOCK_HALF)
@@ -274,10 +275,11 @@ def _settings(rot: int, head_dim: int, n_heads: int) -> tuple[int, int, int]:
 def _head_major(tensors: tuple[Tensor, ...], layout: str, seq: int) -> bool:
     """Whether the head-major order runs: where each tensor's tokens of one head are one contiguous run and
     its head rows are shorter than HEAD_MAJOR_ROW_BYTES (and its grid's second and third dims, q's and k's
-    heads and sequences x tiles, fit CUDA's limit of 65535)."""
-    return seq >= HEAD_MAJOR_TOKENS and all(
-        t.shape[-1] * t.element_size() < HEAD_MAJOR_ROW_BYTES and _bsh_strides(t, layout)[1] == t.shape[-1]
-        and t.shape[0] * cdiv(seq, HEAD_MAJOR_TILE) < 2**16 and t.shape[1] < 2**15 for t in tensors)
+    heads together and sequences x tiles, fit CUDA's limit of 65535)."""
+    return (seq >= HEAD_MAJOR_TOKENS and tensors[0].shape[0] * cdiv(seq, HEAD_MAJOR_TILE) < 2**16
+            and sum(_heads_seq(t, layout)[0] for t in tensors[:2]) < 2**16 and all(
+                t.shape[-1] * t.element_size() < HEAD_MAJOR_ROW_BYTES and _bsh_strides(t, layout)[1] == t.shape[-1]
+                for t in tensors))
 
 
 def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
