@@ -216,7 +216,7 @@ def sweep_rope_head_dims(copy):
                                                                                                n_heads)[1:])
                 rope.NUM_WARPS = warps
                 qo, ko = ops.rope(q, k, cos, sin)
-                assert torch.equal(qo, q_ref) and torch.equal(ko, k_ref)
+                torch.testing.assert_close((qo, ko), (q_ref, k_ref))  # (the reference is head-major at d < 128)
                 report(f"block_h={block_h} warps={warps}", lambda: ops.rope(q, k, cos, sin))
             rope._settings, rope.NUM_WARPS, rope.HEAD_MAJOR_ROW_BYTES = orig_settings, orig_warps, saved
         qo, ko = torch.empty_like(q), torch.empty_like(k)

@@ -69,7 +69,7 @@ TOKEN_TILE = 1024
 # a head apart (2.6 MB at S 16384, d 80), the head-major one a contiguous run. H200: faster than token-major at
 # d 64/80/96, slower at d 128 (256-byte rows) (tune_rope_layer_norm.py rope-dims, h200/tune_rope_layer_norm.log).
 HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
-# Tokens of a sequence a head-major tile (each head in turn): its table rows (under 8 MiB) stay in L2 for the
+# Tokens of a sequence a head-major tile (each head in turn): its table rows (5 MiB of bf16 at d 80) stay in L2 for the
 # next head, while each head's run stays long.
 HEAD_MAJOR_TILE = 16384
 TABLE_ELEMENTS = 2048  # angles a program of rope_tables computes (a decode step: one program)
