@@ -254,8 +254,8 @@ def _norm_fwd_kernel(
                 # Statistics about the one-pass mean, in two passes over L2: its residue first (that mean lost
                 # ~2^-24 sqrt(n) of the spread: (mean - shift)^2 <= n var where the shift is a value of the row,
                 # as it is but for dropout; the residue corrects the mean either way), then the variance about
-                # the corrected mean. One sum a pass: a pass summing both d and d^2
-                # changed the sm_90 schedule of pass 1 and cost every wide row 5% (tune_norm_wide_fwd.log, run 10).
+                # the corrected mean. One sum a pass: a pass summing both d and d^2 changed the sm_90 schedule
+                # of pass 1 and cost every wide row 5% (tune_norm_wide_fwd.log, run 10).
                 residue = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_N):  # (each thread reads back the values it wrote)
                     c = start + cols

@@ -174,9 +174,9 @@ def _rope_kernel(
         s = (first + tl.arange(0, BLOCK_T))[:, None]
         s_ok = s < seq
         s = s.to(tl.int64)
-        # the head's first rows in and out, chosen as scalars; its tokens are HEAD_DIM apart in every tensor
-        # (_head_major), so one offset vector serves both (fewer registers: a thread holds 16 values a tensor)
-        # (a head's offset in int64: heads x a long sequence pass 2^31 elements)
+        # the head's first rows in and out, chosen as scalars (offsets in int64: heads x a long sequence pass
+        # 2^31 elements); its tokens are HEAD_DIM apart in every tensor (_head_major), so one offset vector
+        # serves both (fewer registers: a thread holds 16 values a tensor)
         if head < n_q_heads:
             x_head = q_ptr + b * q_batch_stride + head.to(tl.int64) * q_head_stride
             o_head = qo_ptr + b * qo_batch_stride + head.to(tl.int64) * qo_head_stride
