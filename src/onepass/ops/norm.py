@@ -148,6 +148,12 @@ def bwd_max_block(n_cols: int) -> int:
 
 
 @triton.jit
+def _centered(src, c, n_cols, mean):
+    """h - mean for the columns c of a row (src: its h), in fp32; 0 past the row."""
+    return tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean, 0.0)
+
+
+@triton.jit
 def _load_h(x_ptr, res_ptr, row, x_row_stride, res_row_stride, cols, mask, n_cols, dropout_p, seed,
             HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVICT: tl.constexpr):
     """h = residual + dropout(x) for one block of a row, in fp32; EVICT: the loads' L2 eviction policy."""
@@ -255,17 +261,14 @@ def _norm_fwd_kernel(
                 # ~2^-24 sqrt(n) of the spread: (mean - shift)^2 <= n var where the shift is a value of the row,
                 # as it is but for dropout; the residue corrects the mean either way), then the variance about
                 # the corrected mean. One sum a pass: a pass summing both d and d^2 changed the sm_90 schedule
-                # of pass 1 and cost every wide row 5% (tune_norm_wide_fwd.log, run 10).
+                # of pass 1, slowing every wide row (tune_norm_wide_fwd.log, run 10).
                 residue = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_N):  # (each thread reads back the values it wrote)
-                    c = start + cols
-                    residue += tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean,
-                                        0.0)
+                    residue += _centered(src, start + cols, n_cols, mean)
                 mean += tl.sum(residue, axis=0) / n_cols
                 acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK_N):
-                    c = start + cols
-                    d = tl.where(c < n_cols, tl.load(src + c, mask=c < n_cols, other=0.0).to(tl.float32) - mean, 0.0)
+                    d = _centered(src, start + cols, n_cols, mean)
                     acc_sq += d * d
                 var = tl.sum(acc_sq, axis=0) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)

@@ -166,8 +166,8 @@ def _rope_kernel(
         # take each head in turn (q's heads, then k's), its tokens fastest: the heads re-read a tile's table
         # rows from L2. The grid is (block in tile, head, sequence x tile), so that a program finds its place
         # without divisions by runtime values (n_tiles is 1 up to a tile's length: specialized away): a flat
-        # grid's put 140 instructions before the first load, 6% of the time at head dims 80 and 96 (same log,
-        # session 40). No early return for a partial block either: it cost the sm_90 build 28 registers a thread.
+        # grid's put a long chain of them before the first load, and lost the order's gain (same log). No early
+        # return for a partial block either: it cost the sm_90 build registers, and occupancy with them.
         head = tl.program_id(1)
         b = (tl.program_id(2) // n_tiles).to(tl.int64)
         first = ((tl.program_id(2) % n_tiles) * tile_blocks + tl.program_id(0)) * BLOCK_T
