@@ -23,6 +23,18 @@ from onepass.bench.harness import measure_ceilings
 ROWS = 16384
 
 
+CACHED_PLANS = (norm.fwd_settings, norm._bwd_plan)
+
+
+def patch_norm(**functions):
+    """Replace norm's setting functions by name; its cached launch plans are cleared so that the
+    replacements take effect."""
+    for name, fn in functions.items():
+        setattr(norm, name, fn)
+    for plan in CACHED_PLANS:
+        plan.cache_clear()
+
+
 def bench(fn, nbytes):
     fn()
     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -37,14 +49,14 @@ def sweep_norm(copy):
     size = x.numel() * 2
     original = norm.row_settings
     for warps in (4, 8, 16):
-        norm.row_settings = lambda cols, values_per_thread=16, w_=warps: (4096, w_)
+        patch_norm(row_settings=lambda cols, values_per_thread=16, w_=warps: (4096, w_))
         for name, fn, passes in (
             ("rms fwd", lambda: norm._norm_fwd_launch(x, None, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype), 2),
             ("add_rms fwd", lambda: norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype), 4),
         ):
             ms, gbps = bench(fn, passes * size)
             print(f"norm {name:<12} warps={warps:<3} {ms:7.3f} ms {gbps:6.0f} GB/s {gbps / copy:6.1%}")
-    norm.row_settings = original
+    patch_norm(row_settings=original)
     sweep_norm_bwd(copy)
 
 
@@ -60,15 +72,15 @@ def sweep_norm_bwd(copy):
         _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0.0, 0, True, h.dtype)
         block = original_settings(n)[0]
         for warps, per_sm in itertools.product((2, 4, 8) if n <= 2048 else (4, 8), (2, 3, 4, 6, 8)):
-            norm.row_settings = lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_)
-            norm.bwd_programs_per_sm = lambda block, p_=per_sm: p_
+            patch_norm(row_settings=lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_))
+            patch_norm(bwd_programs_per_sm=lambda block, p_=per_sm: p_)
             step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, 0.0, None, None, rstd, 0.0, 0, True, h.dtype,
                                      True, False)
             step()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
             gbps = 4 * h.numel() * 2 / us / 1e3
             print(f"norm rms bwd {rows}x{n} warps={warps} per_sm={per_sm} {us:7.1f} us {gbps / copy:6.1%}")
-    norm.row_settings, norm.bwd_programs_per_sm = original_settings, original_per_sm
+    patch_norm(row_settings=original_settings, bwd_programs_per_sm=original_per_sm)
 
 
 def sweep_norm_bwd_wide(copy):
@@ -82,7 +94,7 @@ def sweep_norm_bwd_wide(copy):
         b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
         _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0.0, 0, is_rms, h.dtype)
         for cap in (2048, 4096, 8192, 16384):
-            norm.bwd_max_block = lambda n_cols, c_=cap: c_
+            patch_norm(bwd_max_block=lambda n_cols, c_=cap: c_)
             step = functools.partial(norm._norm_bwd_launch, dy, None, h, w, 0.0, None if is_rms else h.dtype,
                                      None if is_rms else mean, rstd, 0.0, 0, is_rms, h.dtype, False, (True, True))
             step()
@@ -90,7 +102,7 @@ def sweep_norm_bwd_wide(copy):
             gbps = 3 * h.numel() * 2 / us / 1e3
             print(f"norm {'rms' if is_rms else 'layer'} bwd {rows}x{n} max_block={cap:<5} {us:8.1f} us "
                   f"{gbps / copy:6.1%}")
-    norm.bwd_max_block = original
+    patch_norm(bwd_max_block=original)
 
 
 def sweep_norm_bwd_one_wide_block(copy):
@@ -110,19 +122,19 @@ def sweep_norm_bwd_one_wide_block(copy):
                                  None if is_rms else mean, rstd, 0.0, 0, is_rms, h.dtype, residual,
                                  False if residual else (True, True))
         blocks, one = (lambda *a: False), (lambda *a: True)
-        norm.bwd_one_wide_block = blocks
+        patch_norm(bwd_one_wide_block=blocks)
         ref = step()[0].float()
         variants = [("blocks of bwd_max_block", (blocks, saved[1]))]
         variants += [(f"one block, {warps} warps", (one, lambda cols, values_per_thread=16, w_=warps: (
             saved[1](cols)[0], w_))) for warps in (8, 16, 32)]
         for name, (one_wide, settings) in variants:
-            norm.bwd_one_wide_block, norm.row_settings = one_wide, settings
+            patch_norm(bwd_one_wide_block=one_wide, row_settings=settings)
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
             gbps = (4 if residual else 3) * h.numel() * 2 / us / 1e3
             print(f"norm {kind} bwd {rows}x{n} {name:<26} {us:8.1f} us {gbps / copy:6.1%} (rel. diff {err:.1e})",
                   flush=True)
-        norm.bwd_one_wide_block, norm.row_settings = saved
+        patch_norm(bwd_one_wide_block=saved[0], row_settings=saved[1])
 
 
 def sweep_layer_norm_bwd_wide(copy):
@@ -139,14 +151,14 @@ def sweep_layer_norm_bwd_wide(copy):
                                  h.dtype, False, (True, True))
         ref = step()[0].float()
         for cap, per_sm in itertools.product((4096, 8192), (1, 2, 4)):
-            norm.bwd_max_block = lambda n_cols, c_=cap: c_
-            norm.bwd_programs_per_sm = lambda block, p_=per_sm: p_
+            patch_norm(bwd_max_block=lambda n_cols, c_=cap: c_)
+            patch_norm(bwd_programs_per_sm=lambda block, p_=per_sm: p_)
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
             gbps = 3 * h.numel() * 2 / us / 1e3
             print(f"norm layer bwd {rows}x{n} block={cap} per_sm={per_sm} {us:8.1f} us {gbps / copy:6.1%} "
                   f"(rel. diff {err:.1e})", flush=True)
-    norm.bwd_programs_per_sm, norm.bwd_max_block = saved
+    patch_norm(bwd_programs_per_sm=saved[0], bwd_max_block=saved[1])
 
 
 def sweep_norm_fwd_wide(copy):
@@ -174,10 +186,10 @@ def sweep_norm_fwd_wide(copy):
         for block, warps in itertools.product((4096, 8192, 16384), (4, 8, 16)):
             if block > 2 * n:
                 continue
-            norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_, 1)
+            patch_norm(fwd_settings=lambda *_, b_=block, w_=warps: (b_, w_, 1))
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             report(f"block={block} warps={warps}", do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3, err)
-        norm.fwd_settings = saved
+        patch_norm(fwd_settings=saved)
         f = torch.nn.functional
         if form == "rms":
             compiled = torch.compile(lambda x: f.rms_norm(x, (n,), w, 1e-5))
@@ -200,13 +212,13 @@ def sweep_norm_fwd_operands(copy):
                                             (False, "layer none", None, None), (True, "rms w", w, None),
                                             (True, "rms none", None, None)):
             for warps in (4, 16):
-                norm.fwd_settings = lambda *_, w_=warps: (4096, w_, 1)
+                patch_norm(fwd_settings=lambda *_, w_=warps: (4096, w_, 1))
                 step = functools.partial(norm._norm_fwd_launch, x, None, weight, bias, 1e-5, 0.0, 0.0, 0, is_rms,
                                          x.dtype)
                 us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
                 print(f"{rows}x{n} {label:<12} warps={warps:<3} {us:7.1f} us {4 * x.numel() / us / 1e3 / copy:6.1%}",
                       flush=True)
-    norm.fwd_settings = saved
+    patch_norm(fwd_settings=saved)
 
 
 def sweep_layer_norm_fwd_wide(copy):
@@ -231,10 +243,10 @@ def sweep_layer_norm_fwd_wide(copy):
             passes = 4 if residual is not None else 2
             report(form, f"launcher {saved(n, rows, False, residual is not None, 132)[:2]}", step, passes)
             for block, warps in itertools.product((4096, 8192), (4, 8, 16)):
-                norm.fwd_settings = lambda *_, b_=block, w_=warps: (b_, w_, 1)
+                patch_norm(fwd_settings=lambda *_, b_=block, w_=warps: (b_, w_, 1))
                 step()
                 report(form, f"block={block} warps={warps}", step, passes)
-            norm.fwd_settings = saved
+            patch_norm(fwd_settings=saved)
         compiled = torch.compile(reference.layer_norm, dynamic=False)
         compiled(x, w, b, 1e-5)
         report("layer", "torch.compile", lambda: compiled(x, w, b, 1e-5), 2)

@@ -95,10 +95,15 @@ def check_dtype_option(name: str, dtype: torch.dtype | None) -> None:
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
-    devices = {v.device for v in tensors.values() if v is not None}
-    if len(devices) > 1:
-        listing = ", ".join(f"{k} on {v.device}" for k, v in tensors.items() if v is not None)
-        raise ValueError(f"all tensors must be on one device, got {listing}")
+    device = None
+    for v in tensors.values():
+        if v is None:
+            continue
+        if device is None:
+            device = v.device
+        elif v.device != device:
+            listing = ", ".join(f"{k} on {t.device}" for k, t in tensors.items() if t is not None)
+            raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
 def check_tensor_lists(**groups) -> None:
@@ -167,8 +172,9 @@ def check_softcap(softcap) -> None:
 
 
 def check_probability(name: str, p: float) -> None:
-    if isinstance(p, bool) or not (isinstance(p, (numbers.Real, torch.SymInt, torch.SymFloat))
-                                   or (isinstance(p, torch.Tensor) and p.dim() == 0)):
+    # a float passes without the numbers.Real test, an abstract class's (slow) isinstance
+    if type(p) is not float and (isinstance(p, bool) or not (isinstance(p, (numbers.Real, torch.SymInt, torch.SymFloat))
+                                                          or (isinstance(p, torch.Tensor) and p.dim() == 0))):
         raise TypeError(f"{name} must be a number, got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")
@@ -217,6 +223,24 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), for host code (see ``cdiv``)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def cached_plan(fn):
+    """``functools.lru_cache`` for a function of ints and bools that plans a launch (block, warps, grid):
+    the lookup costs less host time than the arithmetic. Symbolic sizes (torch.compile's dynamic
+    shapes) are unhashable: those calls compute the plan. ``cache_clear`` clears it (for benchmarks
+    that replace the settings it reads)."""
+    cached = functools.lru_cache(maxsize=4096)(fn)
+
+    @functools.wraps(fn)
+    def plan(*args):
+        try:
+            return cached(*args)
+        except TypeError:  # an unhashable (symbolic) size
+            return fn(*args)
+
+    plan.cache_clear = cached.cache_clear
+    return plan
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,8 +365,15 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
         _compiled_kernels[key] = kernel[grid](*args, **meta)
         return
     grid = (*grid, 1, 1)
-    compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *bound.values())
+    stream = driver.active.get_current_stream(device)
+    launcher = compiled.run
+    if launcher.global_scratch_size or launcher.profile_scratch_size:  # scratch memory: allocated by the launcher
+        launcher(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *bound.values())
+        return
+    # The launcher's C entry point, past its Python wrapper (which only allocates scratch memory)
+    launcher.launch(grid[0], grid[1], grid[2], stream, compiled.function, launcher.launch_cooperative_grid,
+                    launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None, *bound.values())
 
 
 # ------------------------------------------------------------------- eager fast path
@@ -438,8 +469,11 @@ def route(op, launch, *tensors: torch.Tensor | None, autograd=None):
     ``tensors``; else the bare launcher, whose host cost is the Triton launch alone
     (benchmarks/host_overhead.py compares the three).
     """
-    if tracing(next(t for t in tensors if t is not None)):
+    first = tensors[0] if tensors[0] is not None else next(t for t in tensors if t is not None)
+    if tracing(first):
         return op
-    if autograd is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return autograd
+    if autograd is not None and torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return autograd
     return launch

@@ -50,6 +50,7 @@ from onepass import reference
 from onepass.ops.dispatch import (
     MAX_ROW_BLOCK,
     as_rows,
+    cached_plan,
     cdiv,
     check_dtype_option,
     check_float,
@@ -94,6 +95,7 @@ SHIFT_CANCEL = tl.constexpr(64.0)
 PAIR_BLOCK = 4096
 
 
+@cached_plan
 def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, ROWS) of the forward. Values a thread (so warps, by the row width): 16 for
     plain RMSNorm, 32 for LayerNorm and the add_* forms (benchmarks/tune_rowwise.py norm,
@@ -419,28 +421,27 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
     n = x.shape[-1]
     x2 = as_rows(x)
     m = x2.shape[0]
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+    # New outputs are contiguous: their rows lie n apart whatever x's dims (no [m, n] view: each costs host time)
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
+    h = torch.empty_like(x, dtype=residual.dtype, memory_format=torch.contiguous_format) if residual is not None \
+        else None
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y, h, mean, rstd
     res2 = as_rows(residual) if residual is not None else x2
-    y2 = y.view(m, n)
-    h2 = h.view(m, n) if h is not None else x2  # (placeholders are inputs: see dispatch.triton_op)
     sms = num_programs_for(x2.device)
     block, num_warps, rows = fwd_settings(n, m, is_rms, residual is not None, sms)
     launch(_norm_fwd_kernel, (cdiv(m, rows),),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
-        y2, h2, mean if mean is not None else x2, rstd,
-        m, x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
-        n, eps, offset, dropout_p, seed,
+        y, h if h is not None else x2, mean if mean is not None else x2, rstd,  # (placeholders are inputs: see
+        m, x2.stride(0), res2.stride(0), n, n, n, eps, offset, dropout_p, seed,  # dispatch.triton_op)
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block, ROWS=rows,
         # As a dependent launch only while its rows fit one wave of programs (a decode step's): with many
         # programs each one's wait costs more than the launch gap saved (results/h100-80gb-hbm3/
         # norm_fwd_wide_and_pdl.log).
-        PDL=dependent_launch(x2) and m <= sms, num_warps=num_warps,
+        PDL=m <= sms and dependent_launch(x2), num_warps=num_warps,
     )
     return y, h, mean, rstd
 
@@ -453,6 +454,18 @@ def _writes_dx(has_residual, dropout_p, x_dtype, h_dtype, leaves):
     return has_residual and (dropout_p > 0 or x_dtype != h_dtype or leaves)
 
 
+@cached_plan
+def _bwd_plan(n_rows: int, n_cols: int, sms: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_N, num_warps, column blocks, programs, programs of the sums kernel, one wide block) of the
+    backward: a pure function of the shape, cached (computing it costs more host time than the lookup)."""
+    one_wide = bwd_one_wide_block(n_cols)
+    block, num_warps = row_settings(n_cols if one_wide else bwd_max_block(n_cols))
+    col_blocks = max(1, cdiv(n_cols, block))  # past one block a row, each program owns one column block of its rows
+    per_sm = bwd_programs_per_sm(block)
+    programs = max(1, min(n_rows, cdiv(sms * per_sm, col_blocks)))
+    return block, num_warps, col_blocks, programs, max(1, min(n_rows, sms * per_sm)), one_wide
+
+
 def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, dropout_p, seed, is_rms, x_dtype,
                      has_residual, leaves):
     n = h.shape[-1]
@@ -461,14 +474,11 @@ def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, drop
     dy2 = as_rows(dy)
     dh_out2 = as_rows(dh_out) if dh_out is not None else dy2
     # d(residual) in the stream's dtype; dx is written separately only when it differs
-    # from it (dropout, or x in another dtype than the residual stream).
-    dres = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    # from it (dropout, or x in another dtype than the residual stream). Both contiguous: rows n apart.
+    dres = torch.empty_like(h, memory_format=torch.contiguous_format)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
-    dx = torch.empty(h.shape, dtype=x_dtype, device=h.device) if write_dx else None
-    one_wide = bwd_one_wide_block(n)
-    block, num_warps = row_settings(n if one_wide else bwd_max_block(n))
-    col_blocks = max(1, cdiv(n, block))  # past one block a row, each program owns one column block of its rows
-    programs = max(1, min(m, cdiv(num_programs_for(h.device) * bwd_programs_per_sm(block), col_blocks)))
+    dx = torch.empty_like(h, dtype=x_dtype, memory_format=torch.contiguous_format) if write_dx else None
+    block, num_warps, col_blocks, programs, sum_programs, one_wide = _bwd_plan(m, n, num_programs_for(h.device))
     alloc = torch.empty if m > 0 else torch.zeros  # every program writes its columns; empty input: zeros
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
     db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if bias_dtype is not None else None
@@ -478,15 +488,14 @@ def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, drop
         sums = None
         if col_blocks > 1:
             sums = torch.empty(m, 2, dtype=torch.float32, device=h.device)
-            sum_programs = max(1, min(m, num_programs_for(h.device) * bwd_programs_per_sm(block)))
             launch(_norm_bwd_sums_kernel, (sum_programs,), dy2, h2, w_arg, mean_arg, rstd, sums, dy2.stride(0),
                    h2.stride(0), m, n, cdiv(m, sum_programs), offset, IS_RMS=is_rms, HAS_WEIGHT=weight is not None,
                    BLOCK_N=block, num_warps=num_warps)
-        dres2, dx2 = dres.view(m, n), (dx.view(m, n) if write_dx else dy2)  # (placeholder: an input)
         launch(_norm_bwd_kernel, (programs, col_blocks),
-            dy2, dh_out2, h2, w_arg, mean_arg, rstd, sums if sums is not None else rstd, dres2, dx2,
+            dy2, dh_out2, h2, w_arg, mean_arg, rstd, sums if sums is not None else rstd, dres,
+            dx if write_dx else dy2,  # (placeholder: an input)
             dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
-            dy2.stride(0), dh_out2.stride(0), h2.stride(0), dres2.stride(0), dx2.stride(0),
+            dy2.stride(0), dh_out2.stride(0), h2.stride(0), n, n,
             m, n, cdiv(m, programs), offset, dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block,
