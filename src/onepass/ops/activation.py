@@ -42,6 +42,7 @@ from onepass.ops.dispatch import (
     check_same_shape,
     check_vector,
     eager_autograd,
+    empty_output,
     first_order_only,
     launch,
     num_programs_for,
@@ -198,7 +199,7 @@ def _rows(t: Tensor, has_bias: bool) -> Tensor:
 
 
 def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int) -> Tensor:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty_output(x)
     if x.numel() == 0:
         return y
     x2 = _rows(x, bias is not None)
@@ -218,9 +219,9 @@ def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act
 def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int,
                     write_y: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_up, d_bias, y): y, the forward's output, only with ``write_y`` (gated only)."""
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    du = torch.empty(x.shape, dtype=up.dtype, device=x.device) if up is not None else None
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if write_y else None
+    dx = empty_output(x)
+    du = empty_output(x, up.dtype) if up is not None else None
+    y = empty_output(x) if write_y else None
     block_m, block_n, num_warps = TILE_BIAS_BWD if bias is not None else TILE_FLAT
     x2 = _rows(x, bias is not None)
     m, n = x2.shape

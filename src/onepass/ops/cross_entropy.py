@@ -67,6 +67,7 @@ from onepass.ops.dispatch import (
     check_softcap,
     device_setting,
     eager_autograd,
+    empty_output,
     first_order_only,
     flat,
     is_int,
@@ -434,7 +435,7 @@ def _cross_entropy_fwd_launch(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss, lse, pred, grad); grad (d loss / d logits for an upstream gradient
     of 1) is empty unless compute_grad, pred is empty unless return_pred."""
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else logits.new_empty(0)
+    grad = empty_output(logits) if compute_grad else logits.new_empty(0)
     loss, lse, pred = _fwd_launch(logits, target, grad if compute_grad else None, ignore_index, reduction,
                                   label_smoothing, z_loss, softcap, return_pred, all_rows)
     return loss, lse, pred, grad

@@ -60,6 +60,7 @@ from onepass.ops.dispatch import (
     check_scale,
     check_softcap,
     dependent_launch,
+    empty_output,
     interpreting,
     is_int,
     launch,
@@ -236,7 +237,7 @@ def _bhsd(t: Tensor, layout: str) -> Tensor:
 
 def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window):
     cache_seqlens = cache_seqlens.contiguous()  # the kernels index it densely
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = empty_output(q)
     qv, kv, vv, ov = (_bhsd(t, layout) for t in (q, k_cache, v_cache, out))
     batch, heads, n_tokens, head_dim = qv.shape
     kv_heads, cache_len = kv.shape[1], kv.shape[2]

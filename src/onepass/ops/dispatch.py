@@ -193,6 +193,12 @@ def autocast_inputs(x: torch.Tensor, params: list[torch.Tensor | None]
 # ------------------------------------------------------------------------- layouts
 
 
+def empty_output(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new contiguous tensor of ``like``'s shape, in ``dtype`` (default: ``like``'s), on its device: what
+    ``torch.empty(like.shape, dtype=..., device=like.device)`` gives, at about half the host time."""
+    return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has unit stride (the kernels' tiles need that, nothing more), else a copy."""
     return t if t.stride(-1) == 1 else t.contiguous()

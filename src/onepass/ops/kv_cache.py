@@ -22,7 +22,6 @@ the partner x[(i + D/2) mod D] and the table entries at i:
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -30,6 +29,7 @@ from torch import Tensor
 from onepass.ops.dispatch import (
     cdiv,
     dependent_launch,
+    empty_output,
     launch,
     launch_next_kernel,
     next_power_of_2,
@@ -111,7 +111,7 @@ def append_to_cache(k_cache: Tensor, v_cache: Tensor, length: Tensor, k: Tensor,
     batch, heads, n_new, head_dim = k.shape
     block_d = next_power_of_2(head_dim)
     rope = cos is not None
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rope else None
+    q_out = empty_output(q) if rope else None
     qs = (q, q_out, cos, sin) if rope else (k, k, k, k)
     cos_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)) if rope else (0, 0)
     block_rows = max(1, BLOCK_VALUES // block_d)

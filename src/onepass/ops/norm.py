@@ -60,6 +60,7 @@ from onepass.ops.dispatch import (
     check_vector,
     dependent_launch,
     eager_autograd,
+    empty_output,
     first_order_only,
     is_number,
     launch,
@@ -422,9 +423,8 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
     x2 = as_rows(x)
     m = x2.shape[0]
     # New outputs are contiguous: their rows lie n apart whatever x's dims (no [m, n] view: each costs host time)
-    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
-    h = torch.empty_like(x, dtype=residual.dtype, memory_format=torch.contiguous_format) if residual is not None \
-        else None
+    y = empty_output(x, out_dtype)
+    h = empty_output(x, residual.dtype) if residual is not None else None
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
@@ -475,9 +475,9 @@ def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, drop
     dh_out2 = as_rows(dh_out) if dh_out is not None else dy2
     # d(residual) in the stream's dtype; dx is written separately only when it differs
     # from it (dropout, or x in another dtype than the residual stream). Both contiguous: rows n apart.
-    dres = torch.empty_like(h, memory_format=torch.contiguous_format)
+    dres = empty_output(h)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
-    dx = torch.empty_like(h, dtype=x_dtype, memory_format=torch.contiguous_format) if write_dx else None
+    dx = empty_output(h, x_dtype) if write_dx else None
     block, num_warps, col_blocks, programs, sum_programs, one_wide = _bwd_plan(m, n, num_programs_for(h.device))
     alloc = torch.empty if m > 0 else torch.zeros  # every program writes its columns; empty input: zeros
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None

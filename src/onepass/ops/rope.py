@@ -47,6 +47,7 @@ from onepass.ops.dispatch import (
     check_same_device,
     dependent_launch,
     eager_autograd,
+    empty_output,
     first_order_only,
     launch,
     launch_next_kernel,
@@ -324,8 +325,8 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
 
 def _rope_out_of_place(q, k, cos, sin, position_ids, layout, interleaved, backward):
     q, k = unit_stride(q), unit_stride(k)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = empty_output(q)
+    k_out = empty_output(k)
     _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out)
     return q_out, k_out
 

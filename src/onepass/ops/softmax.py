@@ -40,6 +40,7 @@ from onepass.ops.dispatch import (
     cdiv,
     check_float,
     check_same_device,
+    empty_output,
     first_order_only,
     is_int,
     is_number,
@@ -219,7 +220,7 @@ def _as_4d(x: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor],
 
 
 def _softmax_fwd_launch(x: Tensor, mask: Optional[Tensor], scale: float, causal: bool) -> Tensor:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty_output(x)
     if x.numel() == 0:
         return y
     x4, m4, (_, heads), xs, ms = _as_4d(x, mask)
@@ -241,7 +242,7 @@ def _softmax_fwd_launch(x: Tensor, mask: Optional[Tensor], scale: float, causal:
 
 
 def _softmax_bwd_launch(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Tensor:
-    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    dx = empty_output(y)
     if y.numel() == 0:
         return dx
     dy = dy.contiguous()
