@@ -84,6 +84,7 @@ from onepass.ops.dispatch import (
     check_scale,
     check_softcap,
     eager_autograd,
+    empty_output,
     first_order_only,
     interpreting,
     is_int,
@@ -506,7 +507,7 @@ class _Geometry:
 def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     g = _Geometry(q, k, layout, cu_seqlens)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = empty_output(q)
     lse = torch.empty(g.lse_shape(), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return o, lse
@@ -528,9 +529,9 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
 def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, after, softcap, layout):
     do, q, k, v, o = (unit_stride(t) for t in (do, q, k, v, o))
     g = _Geometry(q, k, layout, cu_seqlens)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq = empty_output(q)
+    dk = empty_output(k)
+    dv = empty_output(v)
     if q.numel() == 0 or k.numel() == 0:  # nothing attends: zero gradients
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
