@@ -371,15 +371,8 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
         _compiled_kernels[key] = kernel[grid](*args, **meta)
         return
     grid = (*grid, 1, 1)
-    stream = driver.active.get_current_stream(device)
-    launcher = compiled.run
-    if launcher.global_scratch_size or launcher.profile_scratch_size:  # scratch memory: allocated by the launcher
-        launcher(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *bound.values())
-        return
-    # The launcher's C entry point, past its Python wrapper (which only allocates scratch memory)
-    launcher.launch(grid[0], grid[1], grid[2], stream, compiled.function, launcher.launch_cooperative_grid,
-                    launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None, *bound.values())
+    compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *bound.values())
 
 
 # ------------------------------------------------------------------- eager fast path
