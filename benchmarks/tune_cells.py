@@ -21,7 +21,7 @@ import torch
 
 from onepass.bench.harness import kernel_ms, measure_ceilings
 from onepass.bench.sweep import PEERS, check
-from onepass.ops.dispatch import next_power_of_2, row_settings
+from onepass.ops.dispatch import clear_cached_plans, empty_output, next_power_of_2, row_settings
 
 STEPS = 20  # profiled steps a timing
 # the modules (onepass.ops exports functions of the same names as some of them)
@@ -93,14 +93,18 @@ STUDIES = {
 
 
 def _patched(patches: dict):
+    """Set each (module, attribute) to its value; returns the undo. The cached launch plans are cleared
+    both ways, so that a replaced setting takes effect and the original comes back."""
     saved = {key: getattr(*key) for key in patches}
 
     def undo():
         for (module, attr), value in saved.items():
             setattr(module, attr, value)
+        clear_cached_plans()
 
     for (module, attr), value in patches.items():
         setattr(module, attr, value)
+    clear_cached_plans()
     return undo
 
 
@@ -142,30 +146,21 @@ def run(study: Study) -> None:
             torch.cuda.empty_cache()
 
 
-class _TorchGivingDy:
-    """torch for norm.py's backward launcher, whose empty() of dy's shape and dtype returns dy itself."""
-
-    def __init__(self, dy):
-        self.dy = dy
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, shape, dtype=None, device=None):
-        if tuple(shape) == tuple(self.dy.shape) and dtype == self.dy.dtype and self.dy.is_contiguous():
-            return self.dy
-        return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _dx_over_dy(launcher):
-    """onepass's norm backward launcher writing d(input) over the incoming gradient, as Liger's does."""
+    """onepass's norm backward launcher writing d(input) over the incoming gradient, as Liger's does: its
+    outputs of dy's shape and dtype are dy itself."""
 
     def in_place(dy, *args):
-        norm.torch = _TorchGivingDy(dy)
+        def giving_dy(like, dtype=None):
+            if like.shape == dy.shape and (dtype or like.dtype) == dy.dtype and dy.is_contiguous():
+                return dy
+            return empty_output(like, dtype)
+
+        norm.empty_output = giving_dy
         try:
             return launcher(dy, *args)
         finally:
-            norm.torch = torch
+            norm.empty_output = empty_output
 
     return in_place
 

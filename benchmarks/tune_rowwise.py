@@ -19,20 +19,17 @@ from triton.testing import do_bench, do_bench_cudagraph
 import onepass.ops.activation as act
 import onepass.ops.norm as norm
 from onepass.bench.harness import measure_ceilings
+from onepass.ops.dispatch import clear_cached_plans
 
 ROWS = 16384
 
 
-CACHED_PLANS = (norm.fwd_settings, norm._bwd_plan)
-
-
 def patch_norm(**functions):
-    """Replace norm's setting functions by name; its cached launch plans are cleared so that the
+    """Replace norm's setting functions by name; the cached launch plans are cleared so that the
     replacements take effect."""
     for name, fn in functions.items():
         setattr(norm, name, fn)
-    for plan in CACHED_PLANS:
-        plan.cache_clear()
+    clear_cached_plans()
 
 
 def bench(fn, nbytes):

@@ -195,7 +195,9 @@ def autocast_inputs(x: torch.Tensor, params: list[torch.Tensor | None]
 
 def empty_output(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous tensor of ``like``'s shape, in ``dtype`` (default: ``like``'s), on its device: what
-    ``torch.empty(like.shape, dtype=..., device=like.device)`` gives, at about half the host time."""
+    ``torch.empty(like.shape, dtype=..., device=like.device)`` gives, at about half the host time (and of
+    ``like``'s class where that is a tensor subclass with ``__torch_function__``, as torch's ``*_like`` ops
+    return)."""
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
@@ -231,22 +233,31 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# every cached_plan's cache (clear_cached_plans)
+_plan_caches: list = []
+
+
 def cached_plan(fn):
     """``functools.lru_cache`` for a function of ints and bools that plans a launch (block, warps, grid):
     the lookup costs less host time than the arithmetic. Symbolic sizes (torch.compile's dynamic
-    shapes) are unhashable: those calls compute the plan. ``cache_clear`` clears it (for benchmarks
-    that replace the settings it reads)."""
+    shapes) are unhashable: those calls compute the plan."""
     cached = functools.lru_cache(maxsize=4096)(fn)
+    _plan_caches.append(cached)
 
     @functools.wraps(fn)
-    def plan(*args):
+    def plan(*args, **kwargs):
         try:
-            return cached(*args)
+            return cached(*args, **kwargs)
         except TypeError:  # an unhashable (symbolic) size
-            return fn(*args)
+            return fn(*args, **kwargs)
 
-    plan.cache_clear = cached.cache_clear
     return plan
+
+
+def clear_cached_plans() -> None:
+    """Forget every cached launch plan: for benchmarks that replace a setting a plan reads."""
+    for cache in _plan_caches:
+        cache.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

@@ -441,7 +441,7 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
         # As a dependent launch only while its rows fit one wave of programs (a decode step's): with many
         # programs each one's wait costs more than the launch gap saved (results/h100-80gb-hbm3/
         # norm_fwd_wide_and_pdl.log).
-        PDL=m <= sms and dependent_launch(x2), num_warps=num_warps,
+        PDL=dependent_launch(x2) and m <= sms, num_warps=num_warps,  # (in this order: no guard on m while traced)
     )
     return y, h, mean, rstd
 
