@@ -99,6 +99,29 @@ def test_every_form_reads_rows_past_the_wide_width_in_blocks():
         assert norm.fwd_settings(8192, 4096, is_rms, has_residual, 132)[0] == 8192  # one block up to WIDE_ROW
 
 
+@pytest.mark.parametrize("features", [64, 12288])
+def test_traced_forward_guards_no_row_count(features):
+    """Under torch.compile's dynamic shapes the row count is symbolic: the forward's plan (cached for plain
+    ints) must not compare it with anything, or a compiled model recompiles where the rows cross that value
+    (its PDL test once compared it with the SM count before asking whether PDL applies). Guards by design,
+    not checked here: a plain norm's narrow rows go two a program by the row count (fwd_settings), and the
+    backward's grid is min(rows, programs that fill the GPU)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    dynamic_rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x, res = (mode.from_tensor(torch.randn(8, features), symbolic_context=dynamic_rows, source=ConstantSource(name))
+              for name in ("x", "residual"))
+    w = mode.from_tensor(torch.randn(features))
+    assert isinstance(x.shape[0], torch.SymInt)
+    with mode:
+        norm._norm_fwd_launch(x, res, w, None, 1e-6, 0.0, 0.0, 0, True, x.dtype)
+    assert not shape_env.guards
+
+
 @pytest.mark.parametrize("kind", ["layer", "add_layer"])
 def test_wide_layer_norm_statistics_of_a_row_far_from_zero(kind, device):
     """Rows wider than one forward block take LayerNorm's statistics over several blocks; a mean 100x
