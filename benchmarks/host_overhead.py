@@ -70,7 +70,7 @@ class _Plain(torch.autograd.Function):
 
 
 class _Worker:
-    """A thread that times functions given to it (one thread for every call, as autograd keeps one)."""
+    """A thread that times the functions given to it: one thread for all of them, as autograd keeps one."""
 
     def __init__(self):
         import queue

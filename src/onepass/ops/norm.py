@@ -432,10 +432,11 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
     res2 = as_rows(residual) if residual is not None else x2
     sms = num_programs_for(x2.device)
     block, num_warps, rows = fwd_settings(n, m, is_rms, residual is not None, sms)
+    # an absent tensor's placeholder is an input (see dispatch.triton_op)
     launch(_norm_fwd_kernel, (cdiv(m, rows),),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
-        y, h if h is not None else x2, mean if mean is not None else x2, rstd,  # (placeholders are inputs: see
-        m, x2.stride(0), res2.stride(0), n, n, n, eps, offset, dropout_p, seed,  # dispatch.triton_op)
+        y, h if h is not None else x2, mean if mean is not None else x2, rstd,
+        m, x2.stride(0), res2.stride(0), n, n, n, eps, offset, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block, ROWS=rows,
         # As a dependent launch only while its rows fit one wave of programs (a decode step's): with many
