@@ -153,8 +153,8 @@ def _tile_runs(start, n_other, offset, before, after, BLOCK_OWN: tl.constexpr, B
 
 
 @triton.jit
-def _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen, n_blocks, chunk_heads, BLOCK: tl.constexpr,
-            VARLEN: tl.constexpr, BLOCK_SEQS: tl.constexpr, HEAVY_LAST: tl.constexpr):
+def _locate(n_heads, cu_starts, cu_ends, n_seqs, total, seqlen, n_blocks, chunk_heads, BLOCK: tl.constexpr,
+            VARLEN: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """(sequence, head, block of that sequence, first row of the sequence, its length) of this program.
 
     A 1-D grid of (batch * heads) x n_blocks programs (varlen: heads x n_blocks), in chunks
@@ -162,7 +162,11 @@ def _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen, n_blocks, chunk_head
     programs go block by block across its heads, so the heaviest blocks start first and the
     short ones fill the tail (HEAVY_LAST: causal, where the last query blocks see the most
     keys, reverses the blocks). Varlen: the program finds its sequence from the prefix sum
-    of per-sequence block counts (spare programs get length 0).
+    of per-sequence block counts (spare programs get length 0). The caller loads the offsets
+    (``cu_starts``, ``cu_ends``: the sequences' first and one-past-last rows): a pointer passed
+    into a called function whose results address a store is taken as written by torch's
+    analysis of a traced launch (every argument of the call is), which cloned the
+    placeholder under torch.compile and made AOTAutograd's partitioner refuse the backward.
     """
     pid = tl.program_id(0)
     chunk = pid // (chunk_heads * n_blocks)
@@ -174,10 +178,9 @@ def _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen, n_blocks, chunk_head
     if HEAVY_LAST:
         pid_block = n_blocks - 1 - pid_block
     if VARLEN:
-        idx = tl.arange(0, BLOCK_SEQS)
-        valid = idx < n_seqs
-        starts = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + idx, mask=valid, other=0), 0), total)
-        ends = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + idx + 1, mask=valid, other=0), starts), total)
+        idx = tl.arange(0, cu_starts.shape[0])
+        starts = tl.minimum(tl.maximum(cu_starts, 0), total)
+        ends = tl.minimum(tl.maximum(cu_ends, starts), total)
         blocks = (ends - starts + BLOCK - 1) // BLOCK
         cum = tl.cumsum(blocks, 0)
         seq = tl.sum((cum <= pid_block).to(tl.int32), 0)
@@ -205,8 +208,11 @@ def _attn_fwd_kernel(
     WHOLE_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, n_blocks,
-                                               chunk_heads, BLOCK_M, VARLEN, BLOCK_SEQS, BOUND_AFTER)
+    seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
+    cu_starts = tl.load(cu_seqlens_ptr + seqs, mask=(seqs < n_seqs) & VARLEN, other=0)
+    cu_ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=(seqs < n_seqs) & VARLEN, other=0)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_starts, cu_ends, n_seqs, total, seqlen_q, n_blocks,
+                                               chunk_heads, BLOCK_M, VARLEN, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -295,8 +301,11 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # causal: the first key blocks are seen by the most queries, and start first as they are
-    b, hk, n_block, row_start, length = _locate(n_kv_heads, cu_seqlens_ptr, n_seqs, total, seqlen_k, n_blocks,
-                                                chunk_heads, BLOCK_N, VARLEN, BLOCK_SEQS, False)
+    seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
+    cu_starts = tl.load(cu_seqlens_ptr + seqs, mask=(seqs < n_seqs) & VARLEN, other=0)
+    cu_ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=(seqs < n_seqs) & VARLEN, other=0)
+    b, hk, n_block, row_start, length = _locate(n_kv_heads, cu_starts, cu_ends, n_seqs, total, seqlen_k, n_blocks,
+                                                chunk_heads, BLOCK_N, VARLEN, False)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
@@ -378,8 +387,11 @@ def _attn_bwd_dq_kernel(
     PRECISION: tl.constexpr,
 ):
     """dQ of one query block; first its delta = rowsum(dO * O) - dLSE, stored for the dK/dV kernel."""
-    b, h, m_block, row_start, length = _locate(n_heads, cu_seqlens_ptr, n_seqs, total, seqlen_q, n_blocks,
-                                               chunk_heads, BLOCK_M, VARLEN, BLOCK_SEQS, BOUND_AFTER)
+    seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
+    cu_starts = tl.load(cu_seqlens_ptr + seqs, mask=(seqs < n_seqs) & VARLEN, other=0)
+    cu_ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=(seqs < n_seqs) & VARLEN, other=0)
+    b, h, m_block, row_start, length = _locate(n_heads, cu_starts, cu_ends, n_seqs, total, seqlen_q, n_blocks,
+                                               chunk_heads, BLOCK_M, VARLEN, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length
         seqlen_k = length
