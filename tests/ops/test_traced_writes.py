@@ -1,0 +1,121 @@
+"""Under torch.compile an op's kernel launches enter the graph (dispatch.launch, wrap_triton), and
+torch reads from each kernel's TTIR which pointer arguments it writes: it clones those, and a
+written tensor the op did not allocate is taken as a mutation (of an input; in a backward, of a
+saved forward tensor, which AOTAutograd's partitioner refuses). This compiles the kernels to TTIR
+for sm_90 on the CPU (no GPU: Triton needs only a target) and checks that every tensor torch's
+analysis says a traced launch writes was allocated by its op, forward and backward. It found
+attention's cu_seqlens placeholder taken as written (see attention._locate)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_traced_launches_write_only_their_own_outputs():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real kernels, compiled to TTIR
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "checked" in run.stdout, run.stdout
+
+
+def _cases():
+    from onepass.ops.activation import GELU_TANH, SILU, _act_fwd
+    from onepass.ops.attention import _attention_fwd
+    from onepass.ops.norm import _norm_fwd
+    from onepass.ops.rope import _rope
+    from onepass.ops.softmax import _softmax_fwd
+
+    q, k, v = torch.randn(1, 4, 33, 16), torch.randn(1, 2, 33, 16), torch.randn(1, 2, 33, 16)
+    cu = torch.tensor([0, 7, 33], dtype=torch.int32)
+    x, res, w, b = torch.randn(3, 40), torch.randn(3, 40), torch.randn(40), torch.randn(40)
+    cos, sin = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    return [
+        (_attention_fwd, (q, k, v, None, 0.25, -1, 0, 0.0, "bhsd")),
+        (_attention_fwd, (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, 0.25, 4, 0, 2.0,
+                          "bshd")),
+        (_norm_fwd, (x, res, w, b, 1e-5, 0.0, 0.0, 0, False, torch.float32)),
+        (_norm_fwd, (x, None, w, None, 1e-6, 1.0, 0.0, 0, True, torch.float32)),
+        (_softmax_fwd, (torch.randn(2, 3, 5, 21), torch.rand(2, 1, 5, 21) > 0.4, 1.0, False)),
+        (_rope, (torch.randn(2, 3, 5, 16), torch.randn(2, 1, 5, 16), cos, sin, None, "bhsd", False, False)),
+        (_act_fwd, (x, res, None, SILU)),
+        (_act_fwd, (x, None, b, GELU_TANH)),
+    ]
+
+
+class _Ctx:
+    """What a registered op's setup_context and backward use of autograd's ctx."""
+
+    def __init__(self, n_inputs):
+        self.needs_input_grad = (True,) * n_inputs
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+
+def _main():
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(Hopper())
+    from onepass.ops import dispatch
+
+    launches = []
+
+    class Recorder:  # stands in for wrap_triton: the launch as a traced graph would hold it
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((self.kernel, args, meta))
+
+    dispatch.tracing = lambda t: True
+    dispatch.wrap_triton = Recorder
+
+    def storages(tensors):
+        return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+
+    def check(op, given, start):
+        for kernel, args, meta in launches[start:]:
+            named = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
+            for dep in identify_accessed_tensors(kernel, named, {}).read_writes.writes:
+                t = named[dep.name]
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in given:
+                    sys.exit(f"{op}: {kernel.fn.__name__} is taken to write {dep.name}, a tensor it was given")
+
+    n = 0
+    with torch.no_grad():
+        for op, args in _cases():
+            del launches[:]
+            out = op._init_fn(*args)
+            check(op, storages(args), 0)
+            outs = out if isinstance(out, tuple) else (out,)
+            ctx = _Ctx(len(args))
+            op._setup_context_fn(ctx, args, out)
+            grads = [torch.ones_like(t) if t.is_floating_point() else None for t in outs]
+            start = len(launches)
+            op._backward_fn(ctx, *grads)
+            check(op, storages([*args, *outs, *grads]), start)
+            assert len(launches) > start, f"{op}: no backward launch recorded"
+            n += len(launches)
+    print(f"checked {n} launches")
+
+
+if __name__ == "__main__":
+    _main()
