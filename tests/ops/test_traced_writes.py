@@ -31,8 +31,10 @@ def test_traced_launches_write_only_their_own_outputs():
 def _cases():
     from onepass.ops.activation import GELU_TANH, SILU, _act_fwd
     from onepass.ops.attention import _attention_fwd
+    from onepass.ops.decode_attention import _decode_attention
     from onepass.ops.norm import _norm_fwd
-    from onepass.ops.rope import _rope
+    from onepass.ops.projections import _gated_mlp
+    from onepass.ops.rope import _rope, _rope_tables
     from onepass.ops.softmax import _softmax_fwd
 
     q, k, v = torch.randn(1, 4, 33, 16), torch.randn(1, 2, 33, 16), torch.randn(1, 2, 33, 16)
@@ -49,6 +51,10 @@ def _cases():
         (_rope, (torch.randn(2, 3, 5, 16), torch.randn(2, 1, 5, 16), cos, sin, None, "bhsd", False, False)),
         (_act_fwd, (x, res, None, SILU)),
         (_act_fwd, (x, None, b, GELU_TANH)),
+        (_gated_mlp, (x, torch.randn(24, 40), torch.randn(24, 40), torch.randn(40, 24), SILU)),
+        (_rope_tables, (torch.arange(6).reshape(2, 3), torch.rand(8), 1.5, torch.bfloat16)),
+        (_decode_attention, (torch.randn(2, 4, 1, 16), k, v, torch.tensor([33, 9], dtype=torch.int32), 0.25, 0.0,
+                             "bhsd", 2, 5)),
     ]
 
 
@@ -92,10 +98,9 @@ def _main():
     dispatch.tracing = lambda t: True
     dispatch.wrap_triton = Recorder
 
-    def storages(tensors):
-        return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
-
     def check(op, given, start):
+        """Fails on a launch since ``start`` taken to write a tensor of ``given`` (or one sharing its memory)."""
+        given = {t.untyped_storage().data_ptr() for t in given if isinstance(t, torch.Tensor)}
         for kernel, args, meta in launches[start:]:
             named = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
             for dep in identify_accessed_tensors(kernel, named, {}).read_writes.writes:
@@ -103,22 +108,28 @@ def _main():
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in given:
                     sys.exit(f"{op}: {kernel.fn.__name__} is taken to write {dep.name}, a tensor it was given")
 
-    n = 0
     with torch.no_grad():
         for op, args in _cases():
-            del launches[:]
+            first = len(launches)
             out = op._init_fn(*args)
-            check(op, storages(args), 0)
-            outs = out if isinstance(out, tuple) else (out,)
-            ctx = _Ctx(len(args))
-            op._setup_context_fn(ctx, args, out)
-            grads = [torch.ones_like(t) if t.is_floating_point() else None for t in outs]
-            start = len(launches)
-            op._backward_fn(ctx, *grads)
-            check(op, storages([*args, *outs, *grads]), start)
-            assert len(launches) > start, f"{op}: no backward launch recorded"
-            n += len(launches)
-    print(f"checked {n} launches")
+            check(op, args, first)
+            if op._backward_fn is not None:  # (decode and the tables have no gradient)
+                _backward(op, args, out, check, launches)
+            assert len(launches) > first, f"{op}: no launch recorded"
+    print(f"checked {len(launches)} launches")
+
+
+def _backward(op, args, out, check, launches):
+    """The op's registered backward on gradients of ones; its launches may write no tensor that
+    existed before it (inputs, outputs, saved tensors, gradients)."""
+    outs = out if isinstance(out, tuple) else (out,)
+    ctx = _Ctx(len(args))
+    op._setup_context_fn(ctx, args, out)
+    grads = [torch.ones_like(t) if t.is_floating_point() else None for t in outs]
+    start = len(launches)
+    op._backward_fn(ctx, *grads)
+    assert len(launches) > start, f"{op}: no backward launch recorded"
+    check(op, [*args, *outs, *grads], start)
 
 
 if __name__ == "__main__":
