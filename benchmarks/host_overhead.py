@@ -113,7 +113,7 @@ def main():
     y = torch.empty_like(xs)
     kernel_args = (xs, xs, ws, xs, y, y, rstd, rstd, 64, N, N, N, N, N, 1e-6, 0.0, 0.0, 0)
     kernel_meta = dict(IS_RMS=True, HAS_RESIDUAL=False, HAS_DROPOUT=False, HAS_WEIGHT=True, HAS_BIAS=False,
-                       BLOCK_N=N, ONE_BLOCK=True, ROWS=1, PDL=False, num_warps=4)
+                       BLOCK_N=N, ONE_BLOCK=True, ROWS=1, N_COLS=0, PDL=False, num_warps=4)
     rows = {
         "norm fwd kernel, kernel[grid] (64 rows)": lambda: norm._norm_fwd_kernel[(64,)](*kernel_args, **kernel_meta),
         "norm fwd kernel, onepass launch() (64 rows)": lambda: launch(norm._norm_fwd_kernel, (64,), *kernel_args,

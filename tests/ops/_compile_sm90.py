@@ -52,7 +52,7 @@ def empty(*shape, dtype=torch.bfloat16):
 def cases():
     """Each case calls launchers at one real size (what their kernels compute is not looked at)."""
     norm = ops("norm")
-    for rows, n in ((16384, 768), (16384, 4096), (512, 12288), (64, 65536)):
+    for rows, n in ((16384, 768), (16384, 4096), (512, 10240), (512, 12288), (64, 65536)):
         x, w = empty(rows, n), empty(n)
         for is_rms, residual, dropout in ((True, None, 0.0), (False, None, 0.0), (True, x, 0.1), (False, x, 0.0),
                                           (False, x, 0.1)):

@@ -144,9 +144,9 @@ KERNELS = [  # module, kernel, constexprs
     ("next_token", "_record_kernel", dict(ADVANCE=True, EOS=True, LENGTHS=True, BLOCK_B=8, BLOCK_P=64, BLOCK_E=2)),
     ("rope", "_tables_kernel", dict(BLOCK_T=32, BLOCK_F=64)),
     ("norm", "_norm_fwd_kernel", dict(IS_RMS=True, HAS_RESIDUAL=True, HAS_DROPOUT=False, HAS_WEIGHT=True,
-     HAS_BIAS=False, BLOCK_N=2048, ONE_BLOCK=True, ROWS=1)),
+     HAS_BIAS=False, BLOCK_N=2048, ONE_BLOCK=True, ROWS=1, N_COLS=0)),
     ("norm", "_norm_fwd_kernel", dict(IS_RMS=False, HAS_RESIDUAL=False, HAS_DROPOUT=False, HAS_WEIGHT=True,
-     HAS_BIAS=True, BLOCK_N=1024, ONE_BLOCK=True, ROWS=2)),
+     HAS_BIAS=True, BLOCK_N=1024, ONE_BLOCK=True, ROWS=2, N_COLS=1000)),
 ]
 for module, name, constexprs in KERNELS:
     importlib.import_module("onepass.ops." + module)
