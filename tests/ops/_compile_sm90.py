@@ -99,6 +99,9 @@ def cases():
         o, lse = attention._attention_fwd_launch(q, k, k, None, d ** -0.5, -1, 0 if causal else -1, None, "bhsd")
         attention._attention_bwd_launch(q, q, k, k, o, lse, None, None, d ** -0.5, -1, 0 if causal else -1, None,
                                         "bhsd")
+    q, k, cu = empty(4096, 32, 128), empty(4096, 8, 128), torch.tensor([0, 1000, 4096], dtype=torch.int32)
+    o, lse = attention._attention_fwd_launch(q, k, k, cu, 0.088, -1, 0, None, "bshd")  # varlen, causal
+    attention._attention_bwd_launch(q, q, k, k, o, lse, None, cu, 0.088, -1, 0, None, "bshd")
     decode = ops("decode_attention")
     for batch, cache, window in ((1, 576, None), (8, 16384, None), (64, 4096, None), (4, 32768, 4096)):
         q, kv = empty(batch, 32, 1, 128), empty(batch, 8, cache, 128)

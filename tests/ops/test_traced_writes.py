@@ -25,6 +25,8 @@ def test_traced_launches_write_only_their_own_outputs():
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    if "no analysis" in run.stdout:
+        pytest.skip("this torch has no identify_accessed_tensors (torch 2.11 has another interface)")
     assert "checked" in run.stdout, run.stdout
 
 
@@ -75,7 +77,11 @@ class _Ctx:
 
 
 def _main():
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    except ImportError:  # torch 2.11 (identify_mutated_tensors, another interface): not checked there
+        print("no analysis")
+        return
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
@@ -84,7 +90,7 @@ def _main():
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(Hopper())
-    from onepass.ops import dispatch
+    from onepass.ops import activation, dispatch
 
     launches = []
 
@@ -97,6 +103,7 @@ def _main():
 
     dispatch.tracing = lambda t: True
     dispatch.wrap_triton = Recorder
+    activation.use_triton = lambda t: True  # (a CPU tensor otherwise takes the reference path)
 
     def check(op, given, start):
         """Fails on a launch since ``start`` taken to write a tensor of ``given`` (or one sharing its memory)."""
@@ -112,10 +119,10 @@ def _main():
         for op, args in _cases():
             first = len(launches)
             out = op._init_fn(*args)
+            assert len(launches) > first, f"{op}: no forward launch recorded"
             check(op, args, first)
             if op._backward_fn is not None:  # (decode and the tables have no gradient)
                 _backward(op, args, out, check, launches)
-            assert len(launches) > first, f"{op}: no launch recorded"
     print(f"checked {len(launches)} launches")
 
 

@@ -126,7 +126,8 @@ def fwd_constant_width(n_cols, block: int) -> int:
     a kernel, CUDA graphs: LayerNorm 16384 x 5120 112 -> 94 us, RMSNorm 88 -> 82, widths of 10240
     5-7% faster); at run time where blocks tile the row, where the constant made LayerNorm's wide
     loop 25% slower at 16384 and RMSNorm 5% at 4096 (results/h200/norm_fwd_constant_width.log).
-    A symbolic width (torch.compile's dynamic shapes) stays a run-time argument."""
+    A symbolic width (torch.compile's dynamic shapes) stays a run-time argument. Cost: one compile
+    per such width (a model has one or two)."""
     return n_cols if isinstance(n_cols, int) and n_cols % block else 0
 
 
