@@ -153,7 +153,7 @@ def _tile_runs(start, n_other, offset, before, after, BLOCK_OWN: tl.constexpr, B
 
 
 @triton.jit
-def _locate(n_heads, cu_starts, cu_ends, n_seqs, total, seqlen, n_blocks, chunk_heads, BLOCK: tl.constexpr,
+def _locate(n_heads, cu_starts, cu_ends, total, seqlen, n_blocks, chunk_heads, BLOCK: tl.constexpr,
             VARLEN: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """(sequence, head, block of that sequence, first row of the sequence, its length) of this program.
 
@@ -163,10 +163,10 @@ def _locate(n_heads, cu_starts, cu_ends, n_seqs, total, seqlen, n_blocks, chunk_
     short ones fill the tail (HEAVY_LAST: causal, where the last query blocks see the most
     keys, reverses the blocks). Varlen: the program finds its sequence from the prefix sum
     of per-sequence block counts (spare programs get length 0). The caller loads the offsets
-    (``cu_starts``, ``cu_ends``: the sequences' first and one-past-last rows): a pointer passed
-    into a called function whose results address a store is taken as written by torch's
-    analysis of a traced launch (every argument of the call is), which cloned the
-    placeholder under torch.compile and made AOTAutograd's partitioner refuse the backward.
+    (``cu_starts``, ``cu_ends``: the sequences' first and one-past-last rows, masked to the
+    n_seqs sequences): torch's analysis of a traced launch takes every pointer passed into a
+    called function whose results address a store as written, and a placeholder taken as
+    written is a mutation of the tensor standing in for it (see dispatch.triton_op).
     """
     pid = tl.program_id(0)
     chunk = pid // (chunk_heads * n_blocks)
@@ -211,7 +211,7 @@ def _attn_fwd_kernel(
     seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
     cu_starts = tl.load(cu_seqlens_ptr + seqs, mask=(seqs < n_seqs) & VARLEN, other=0)
     cu_ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=(seqs < n_seqs) & VARLEN, other=0)
-    b, h, m_block, row_start, length = _locate(n_heads, cu_starts, cu_ends, n_seqs, total, seqlen_q, n_blocks,
+    b, h, m_block, row_start, length = _locate(n_heads, cu_starts, cu_ends, total, seqlen_q, n_blocks,
                                                chunk_heads, BLOCK_M, VARLEN, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length
@@ -304,7 +304,7 @@ def _attn_bwd_dkdv_kernel(
     seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
     cu_starts = tl.load(cu_seqlens_ptr + seqs, mask=(seqs < n_seqs) & VARLEN, other=0)
     cu_ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=(seqs < n_seqs) & VARLEN, other=0)
-    b, hk, n_block, row_start, length = _locate(n_kv_heads, cu_starts, cu_ends, n_seqs, total, seqlen_k, n_blocks,
+    b, hk, n_block, row_start, length = _locate(n_kv_heads, cu_starts, cu_ends, total, seqlen_k, n_blocks,
                                                 chunk_heads, BLOCK_N, VARLEN, False)
     if VARLEN:
         seqlen_q = length
@@ -390,7 +390,7 @@ def _attn_bwd_dq_kernel(
     seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
     cu_starts = tl.load(cu_seqlens_ptr + seqs, mask=(seqs < n_seqs) & VARLEN, other=0)
     cu_ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=(seqs < n_seqs) & VARLEN, other=0)
-    b, h, m_block, row_start, length = _locate(n_heads, cu_starts, cu_ends, n_seqs, total, seqlen_q, n_blocks,
+    b, h, m_block, row_start, length = _locate(n_heads, cu_starts, cu_ends, total, seqlen_q, n_blocks,
                                                chunk_heads, BLOCK_M, VARLEN, BOUND_AFTER)
     if VARLEN:
         seqlen_q = length

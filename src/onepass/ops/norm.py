@@ -122,12 +122,11 @@ def fwd_settings(n_cols: int, n_rows: int, is_rms: bool, has_residual: bool, sms
 
 def fwd_constant_width(n_cols, block: int) -> int:
     """The row width the forward compiles in (its N_COLS), 0 to take it at run time: compiled in
-    where rows end inside a block, so the masks of the padding are constants (H200, one process
-    a kernel, CUDA graphs: LayerNorm 16384 x 5120 112 -> 94 us, RMSNorm 88 -> 82, widths of 10240
-    5-7% faster); at run time where blocks tile the row, where the constant made LayerNorm's wide
-    loop 25% slower at 16384 and RMSNorm 5% at 4096 (results/h200/norm_fwd_constant_width.log).
-    A symbolic width (torch.compile's dynamic shapes) stays a run-time argument. Cost: one compile
-    per such width (a model has one or two)."""
+    where rows end inside a block, so the masks of the padding are constants (faster there); at
+    run time where blocks tile the row, where the constant was slower for LayerNorm's wide loop
+    and one-block RMSNorm (results/h200/norm_fwd_constant_width.log). A symbolic width
+    (torch.compile's dynamic shapes) stays a run-time argument. Cost: one compile per such width
+    (a model has one or two)."""
     return n_cols if isinstance(n_cols, int) and n_cols % block else 0
 
 
