@@ -121,9 +121,11 @@ def cases():
     for rotary, interleaved, pos in ((80, False, positions), (80, True, None), (32, False, None)):
         table = empty(1, 8192 if pos is not None else 4096, rotary)
         rope._rope_launch(q, k, table, table, pos, "bshd", interleaved, False, empty(*q.shape), empty(*k.shape))
-    for seq in (4096, 20000):  # contiguous bhsd, head-major: one tile of tokens, and two (n_tiles not 1)
-        q, k, table = empty(1, 32, seq, 80), empty(1, 8, seq, 80), empty(1, seq, 80)
-        rope._rope_launch(q, k, table, table, None, "bhsd", False, False, empty(*q.shape), empty(*k.shape))
+    # contiguous bhsd, head-major: one tile of tokens, and two (n_tiles not 1); at d 80 as flat runs, forward and
+    # backward, at d 64 in pairs of half-rows
+    for seq, d, backward in ((4096, 80, False), (20000, 80, False), (4096, 80, True), (4096, 64, False)):
+        q, k, table = empty(1, 32, seq, d), empty(1, 8, seq, d), empty(1, seq, d)
+        rope._rope_launch(q, k, table, table, None, "bhsd", False, backward, empty(*q.shape), empty(*k.shape))
     rope._tables_launch(positions, empty(64, dtype=torch.float32), 1.0, torch.bfloat16)
     cache, new = empty(8, 8, 4096, 128), empty(8, 8, 1, 128)  # a decode step's append, with and without RoPE
     length = torch.zeros(1, dtype=torch.int64)

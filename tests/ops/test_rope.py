@@ -95,6 +95,27 @@ def test_head_major_order_gives_the_token_major_results(case, device, monkeypatc
     _check(q.clone(), k.clone(), cos, sin, torch.float32, position_ids=pos, style=style)  # (head-major again)
 
 
+@pytest.mark.parametrize("tables", ["per_batch", "shared"])
+@pytest.mark.parametrize("d", [24, 40])
+def test_head_major_flat_runs_at_head_dims_no_power_of_two(d, tables, device, monkeypatch):
+    """A head dim that is no power of two runs head-major as flat runs of values (_rope_flat_kernel), forward
+    and backward, against the reference: here blocks of 64 lanes (2 or 1 tokens, lanes left over) in tiles of
+    8 tokens over 11, so the last tile and block are partial."""
+    rope = sys.modules["onepass.ops.rope"]
+    monkeypatch.setattr(rope, "HEAD_MAJOR_TOKENS", 4)
+    monkeypatch.setattr(rope, "HEAD_MAJOR_TILE", 8)
+    monkeypatch.setattr(rope, "FLAT_BLOCK", 64)
+    kernels = []
+    launch = rope.launch
+    monkeypatch.setattr(rope, "launch", lambda kernel, *args, **meta: (kernels.append(kernel), launch(kernel, *args,
+                                                                                                       **meta)))
+    b, hq, hk, s = 2, 3, 2, 11
+    q, k = torch.randn(b, hq, s, d, device=device), torch.randn(b, hk, s, d, device=device)
+    cos, sin = _hf_tables(b if tables == "per_batch" else 1, s, d, device)
+    _check(q, k, cos, sin, torch.float32)
+    assert kernels == [rope._rope_flat_kernel] * 2  # forward and backward
+
+
 def test_head_major_order_runs_where_a_heads_tokens_are_contiguous_and_its_rows_short():
     rope = sys.modules["onepass.ops.rope"]
     bf16 = dict(dtype=torch.bfloat16, device="meta")

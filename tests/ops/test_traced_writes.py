@@ -51,6 +51,9 @@ def _cases():
         (_norm_fwd, (x, None, w, None, 1e-6, 1.0, 0.0, 0, True, torch.float32)),
         (_softmax_fwd, (torch.randn(2, 3, 5, 21), torch.rand(2, 1, 5, 21) > 0.4, 1.0, False)),
         (_rope, (torch.randn(2, 3, 5, 16), torch.randn(2, 1, 5, 16), cos, sin, None, "bhsd", False, False)),
+        # head-major as flat runs (a head dim no power of two, 16 tokens or more)
+        (_rope, (torch.randn(1, 2, 16, 24), torch.randn(1, 1, 16, 24), torch.randn(1, 16, 24), torch.randn(1, 16, 24),
+                 None, "bhsd", False, False)),
         (_act_fwd, (x, res, None, SILU)),
         (_act_fwd, (x, None, b, GELU_TANH)),
         (_gated_mlp, (x, torch.randn(24, 40), torch.randn(24, 40), torch.randn(40, 24), SILU)),

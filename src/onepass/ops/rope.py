@@ -27,7 +27,8 @@ first, then those of k, so grouped-query k (fewer heads) costs only its own bloc
 run token by token within each head block, or, for per-batch tables, in tiles of tokens that
 take every head block in turn (TOKEN_TILE), so the tables are read from HBM once. Head-major,
 where a head's tokens are contiguous (bhsd) and its rows short: one program per block of
-HEAD_MAJOR_TOKENS tokens of one (sequence, head), the table rows re-read from L2 by each head.
+HEAD_MAJOR_TOKENS tokens of one (sequence, head), the table rows re-read from L2 by each head; at a
+head dim that is no power of two, a block's values as one flat run (_rope_flat_kernel).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
 # Tokens of a sequence a head-major tile (each head in turn): its table rows (5 MiB of bf16 at d 80) stay in L2 for the
 # next head, while each head's run stays long.
 HEAD_MAJOR_TILE = 16384
+# Head-major as flat runs of values (_rope_flat_kernel, FLAT_BLOCK lanes) where the head dim is no power of two (whole
+# heads, rotate-half, the tables' rows as long as a head's, out of place), FLAT_VALUES_PER_THREAD by direction: the
+# forward fastest at 8, the backward (one more load) at 16, each 5-7% slower at the other's. H200, d 80: 6% faster
+# than the padded head-major order; d 96 even; d 64 slower (results/h200/rope_flat.log)
+FLAT_BLOCK, FLAT_VALUES_PER_THREAD = 2048, {False: 8, True: 16}
 TABLE_ELEMENTS = 2048  # angles a program of rope_tables computes (a decode step: one program)
 
 LAYOUTS = ("bhsd", "bshd")
@@ -223,6 +229,51 @@ def _rope_kernel(
                    BLOCK_HALF, BLOCK_REST)
 
 
+@triton.jit
+def _rope_flat_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, seq, n_q_heads, tile_blocks, n_tiles,
+    q_batch_stride, q_head_stride, k_batch_stride, k_head_stride, qo_batch_stride, qo_head_stride,
+    ko_batch_stride, ko_head_stride, cos_batch_stride,
+    HEAD_DIM: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Head-major rotate-half over whole heads (the grid of _rope_kernel's head-major order): each program
+    the values of BLOCK // HEAD_DIM tokens of one head as one flat run, every lane busy where pairs of
+    half-rows leave lanes idle at a head dim that is no power of two (80: 2 x 40 values in 2 x 64 lanes).
+    Value i of a row pairs with i + HEAD_DIM/2 (first half) or i - HEAD_DIM/2, a neighbour in the same run
+    (from L1); a token's table values lie as its values do (rows HEAD_DIM apart), so they load as a run too."""
+    tokens: tl.constexpr = BLOCK // HEAD_DIM
+    half: tl.constexpr = HEAD_DIM // 2
+    head = tl.program_id(1)
+    b = (tl.program_id(2) // n_tiles).to(tl.int64)
+    first = ((tl.program_id(2) % n_tiles) * tile_blocks + tl.program_id(0)) * (tokens * HEAD_DIM)
+    lane = tl.arange(0, BLOCK)
+    at = first + lane  # of the head's values (int32: the launcher bounds seq * HEAD_DIM)
+    ok = (lane < tokens * HEAD_DIM) & (at < seq * HEAD_DIM)
+    lower = at % HEAD_DIM < half
+    upper_ok, lower_ok = ok & ~lower, ok & lower
+    if head < n_q_heads:
+        x_head = q_ptr + b * q_batch_stride + head.to(tl.int64) * q_head_stride
+        o_head = qo_ptr + b * qo_batch_stride + head.to(tl.int64) * qo_head_stride
+    else:
+        x_head = k_ptr + b * k_batch_stride + (head - n_q_heads).to(tl.int64) * k_head_stride
+        o_head = ko_ptr + b * ko_batch_stride + (head - n_q_heads).to(tl.int64) * ko_head_stride
+    # partners as two loads at fixed offsets (each a run the compiler vectorizes; one load through a select
+    # of offsets would not be)
+    x = tl.load(x_head + at, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.where(lower, tl.load(x_head + at + half, mask=lower_ok, other=0.0),
+                       tl.load(x_head + at - half, mask=upper_ok, other=0.0)).to(tl.float32)
+    table = b * cos_batch_stride + at
+    c = tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32)
+    if BACKWARD:  # the transpose (see the module docstring): the partner's sine, the signs swapped
+        s = tl.where(lower, tl.load(sin_ptr + table + half, mask=lower_ok, other=0.0),
+                     tl.load(sin_ptr + table - half, mask=upper_ok, other=0.0)).to(tl.float32)
+        sign = tl.where(lower, 1.0, -1.0)
+    else:
+        s = tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32)
+        sign = tl.where(lower, -1.0, 1.0)
+    tl.store(o_head + at, (x * c + sign * partner * s).to(o_head.dtype.element_ty), mask=ok)
+
+
 # ---------------------------------------------------------------------------- launchers
 
 
@@ -283,6 +334,15 @@ def _head_major(tensors: tuple[Tensor, ...], layout: str, seq: int) -> bool:
                 for t in tensors))
 
 
+def _flat(d: int, rot: int, interleaved: bool, pos: Optional[Tensor], cos: Tensor, seq: int, inplace: bool) -> bool:
+    """Whether the head-major order runs as flat runs (_rope_flat_kernel): a head dim that is no power of
+    two, rotated whole in the half style, the tables' rows as long as a head's and read in token order (no
+    position ids), out of place (a program's threads read values others write: in place would race), and a
+    head's values fit int32 offsets."""
+    return (d & (d - 1) != 0 and rot == d and not interleaved and pos is None and cos.stride(-2) == d
+            and not inplace and seq * d < 2**31 - FLAT_BLOCK)
+
+
 def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
     """Rotate q into q_out and k into k_out (they may be q and k themselves: in place)."""
     b, s, d = q.shape[0], q.shape[2] if layout == "bhsd" else q.shape[1], q.shape[-1]
@@ -296,6 +356,15 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     n_blocks = q_blocks + cdiv(hk, block_h)
     block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
                           else (1, NUM_WARPS))
+    if block_t > 1 and _flat(d, rot, interleaved, pos, cos, s, q_out is q):  # tiles as below, in blocks of tokens
+        n_tiles = cdiv(s, HEAD_MAJOR_TILE)
+        tile_blocks = cdiv(cdiv(s, n_tiles), FLAT_BLOCK // d)
+        launch(_rope_flat_kernel, (tile_blocks, hq + hk, b * n_tiles),
+               q, k, q_out, k_out, cos, sin, s, hq, tile_blocks, n_tiles,
+               *(v for x in (q, k, q_out, k_out) for v in (x.stride(0), _bsh_strides(x, layout)[2])),
+               cos_batch_stride, HEAD_DIM=d, BACKWARD=backward, BLOCK=FLAT_BLOCK,
+               num_warps=max(1, FLAT_BLOCK // (32 * FLAT_VALUES_PER_THREAD[backward])))
+        return
     if block_t > 1:  # even tiles of at most HEAD_MAJOR_TILE tokens: a partial block or so a tile to spare
         n_tiles = cdiv(s, HEAD_MAJOR_TILE)
         tile_blocks = cdiv(cdiv(s, n_tiles), block_t)
