@@ -66,7 +66,7 @@ def _rope_tiles(cell: dict) -> list[tuple[str, dict]]:
 
 
 def _flat_tiles(cell: dict) -> list[tuple[str, dict]]:
-    return [(f"block={b} warps={w}", {(act, "TILE_FLAT"): (1, b, w)})
+    return [(f"block={b} warps={w}", {(act, "TILE_FLAT"): (1, b, w), (act, "TILE_FLAT_SMALL"): (1, b, w)})
             for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))]
 
 

@@ -258,7 +258,7 @@ def sweep_activation(copy):
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     size = g.numel() * 2
     for block, warps in itertools.product((1024, 2048, 4096, 8192), (2, 4, 8, 16)):
-        act.TILE_FLAT = (1, block, warps)
+        act.TILE_FLAT = act.TILE_FLAT_SMALL = (1, block, warps)  # (the forward's, whatever its size)
         fwd_ms, fwd_gbps = bench(lambda: act._act_fwd(g, u, None, act.SILU), 3 * size)
         bwd_ms, bwd_gbps = bench(lambda: act._act_bwd(dy, g, u, None, act.SILU), 5 * size)
         print(f"swiglu flat block={block} warps={warps:<3} fwd {fwd_ms:7.3f} ms {fwd_gbps / copy:6.1%} | "

@@ -62,6 +62,9 @@ GATED_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}  # 
 # loop down their columns (BIAS_BWD_PROGRAMS_PER_SM a SM), one fp32 partial row of the bias gradient each. Swept by
 # benchmarks/tune_rowwise.py activation (no committed log; numbers in CHANGELOG.md); now: results/h200/activation.md.
 TILE_FLAT = (1, 2048, 8)
+# The forward over few values (at most SMALL_PROGRAMS_PER_SM programs of TILE_FLAT an SM): 16 values a thread, 7-16%
+# faster up to ~6M values, even at 8M, 1-2.5% slower for swiglu from 15M (H200, results/h200/act_fwd_tile.log)
+TILE_FLAT_SMALL, SMALL_PROGRAMS_PER_SM = (1, 2048, 4), 32
 TILE_BIAS = (32, 256, 4)
 TILE_BIAS_BWD = (4, 2048, 8)
 BIAS_BWD_PROGRAMS_PER_SM = 4
@@ -198,6 +201,11 @@ def _rows(t: Tensor, has_bias: bool) -> Tensor:
     return as_rows(t) if has_bias else t.contiguous().view(1, -1)
 
 
+def _flat_fwd_tile(x: Tensor) -> tuple[int, int, int]:
+    small = cdiv(x.numel(), TILE_FLAT[1]) <= SMALL_PROGRAMS_PER_SM * num_programs_for(x.device)
+    return TILE_FLAT_SMALL if small else TILE_FLAT
+
+
 def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act: int) -> Tensor:
     y = empty_output(x)
     if x.numel() == 0:
@@ -206,7 +214,7 @@ def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act
     u2 = _rows(up, False) if up is not None else x2
     m, n = x2.shape
     bias = bias.contiguous() if bias is not None else None
-    tile = TILE_BIAS if bias is not None else TILE_FLAT
+    tile = TILE_BIAS if bias is not None else _flat_fwd_tile(x)
     block_m, block_n, num_warps = tile
     launch(_act_fwd_kernel, _grid(m, n, tile),
         x2, u2, bias if bias is not None else x2, y, m, n, x2.stride(0), u2.stride(0),
