@@ -251,6 +251,8 @@ def _rope_flat_kernel(
     ok = (lane < tokens * HEAD_DIM) & (at < seq * HEAD_DIM)
     lower = at % HEAD_DIM < half
     upper_ok, lower_ok = ok & ~lower, ok & lower
+    # (as in _rope_kernel, written out: a jit helper given these pointers would read, to torch's analysis of a
+    # traced kernel, as writing all of them, q and k included: see dispatch.triton_op)
     if head < n_q_heads:
         x_head = q_ptr + b * q_batch_stride + head.to(tl.int64) * q_head_stride
         o_head = qo_ptr + b * qo_batch_stride + head.to(tl.int64) * qo_head_stride
