@@ -5,7 +5,8 @@ saved forward tensor, which AOTAutograd's partitioner refuses). This compiles th
 for sm_90 on the CPU (no GPU: Triton needs only a target) and checks that every tensor torch's
 analysis (``identify_accessed_tensors``, torch 2.13; 2.11 has ``identify_mutated_tensors``) says a
 traced launch writes was allocated by its op, forward and backward. It found attention's
-cu_seqlens placeholder taken as written (see attention._locate). Skipped on a GPU, where each op's
+cu_seqlens placeholder taken as written (see attention._locate), and decode_linear's input, the
+placeholder of its absent outputs (now a scratch value of its own). Skipped on a GPU, where each op's
 opcheck traces the real launches."""
 
 import os
@@ -34,6 +35,7 @@ def _cases():
     from onepass.ops.activation import GELU_TANH, SILU, _act_fwd
     from onepass.ops.attention import _attention_fwd
     from onepass.ops.decode_attention import _decode_attention
+    from onepass.ops.decode_linear import _decode_linear
     from onepass.ops.norm import _norm_fwd
     from onepass.ops.projections import _gated_mlp
     from onepass.ops.rope import _rope, _rope_tables
@@ -58,6 +60,9 @@ def _cases():
         (_act_fwd, (x, None, b, GELU_TANH)),
         (_gated_mlp, (x, torch.randn(24, 40), torch.randn(24, 40), torch.randn(40, 24), SILU)),
         (_rope_tables, (torch.arange(6).reshape(2, 3), torch.rand(8), 1.5, torch.bfloat16)),
+        # one weight and a residual (two outputs absent), and the gated pair
+        (_decode_linear, (torch.randn(2, 40), [torch.randn(24, 40)], [None], -1, torch.randn(2, 24))),
+        (_decode_linear, (torch.randn(2, 40), [torch.randn(24, 40), torch.randn(24, 40)], [None, None], SILU)),
         (_decode_attention, (torch.randn(2, 4, 1, 16), k, v, torch.tensor([33, 9], dtype=torch.int32), 0.25, 0.0,
                              "bhsd", 2, 5)),
     ]
@@ -105,6 +110,7 @@ def _main():
             return lambda *args, **meta: launches.append((self.kernel, args, meta))
 
     dispatch.tracing = lambda t: True
+    sys.modules["onepass.ops.decode_linear"].tracing = dispatch.tracing  # (imported by name: its traced launch plan)
     dispatch.wrap_triton = Recorder
     activation.use_triton = lambda t: True  # (a CPU tensor otherwise takes the reference path)
 

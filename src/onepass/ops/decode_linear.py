@@ -221,7 +221,11 @@ def _decode_linear_launch(x: Tensor, weights: list[Tensor], biases: list[Tensor 
     bs = ([b.contiguous() if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
           if has_bias else [])  # the kernel reads a bias at unit stride
     bs += [ws[0]] * (MAX_WEIGHTS - len(bs))
-    ys = outs + [x2] * (MAX_WEIGHTS - len(outs))  # (placeholders are inputs: see dispatch.triton_op)
+    # Absent outputs' placeholders: the input (see dispatch.triton_op); traced, a scratch value of this op's own, since
+    # torch's analysis takes the output pointer the kernel selects at run time as written, all three (the input would
+    # be cloned and copied back each call)
+    spare = x2.new_empty(1) if tracing(x2) and len(outs) < MAX_WEIGHTS else x2
+    ys = outs + [spare] * (MAX_WEIGHTS - len(outs))
     r2 = as_rows(residual) if residual is not None else x2
     ns = [w.shape[0] for w in weights] + [0] * (MAX_WEIGHTS - len(weights))
     tiles = [cdiv(n, block_n) for n in ns]

@@ -456,7 +456,8 @@ def triton_op(name: str, *, mutates_args=(), traced: bool = True):
     has not been seen to compute right (the ops say why). What a traced body must respect: an
     absent pointer argument's placeholder is an input the kernel reads, never an output (Inductor
     may treat every pointer argument as written and copy each back: a placeholder aliasing an
-    output overwrites it), and one the analysis of the kernel takes as read only: torch takes every
+    output overwrites it), and one the analysis of the kernel takes as read only (else a scratch
+    tensor of the op's own, as decode_linear's absent outputs): torch takes every
     pointer passed into a called jit function whose results address a store as written
     (tests/ops/test_traced_writes.py checks the ops' launches); float scalars may arrive as
     float64 (cast them before they meet fp32 accumulators).
