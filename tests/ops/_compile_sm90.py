@@ -66,6 +66,8 @@ def cases():
         for a in (0, 1, 2):
             act._act_fwd_launch(x, up, bias, a)
             act._act_bwd_launch(x, x, up, bias, a, up is not None)
+    small = empty(1024, 2048)  # the forward's small tile (TILE_FLAT_SMALL)
+    act._act_fwd_launch(small, small, None, 0)
     softmax = ops("softmax")
     s = empty(4, 16, 2048, 2048)
     softmax._softmax_bwd_launch(s, softmax._softmax_fwd_launch(s, None, 0.125, True), 0.125, True)

@@ -95,12 +95,14 @@ def test_head_major_order_gives_the_token_major_results(case, device, monkeypatc
     _check(q.clone(), k.clone(), cos, sin, torch.float32, position_ids=pos, style=style)  # (head-major again)
 
 
-@pytest.mark.parametrize("tables", ["per_batch", "shared"])
+@pytest.mark.parametrize("tables", ["per_batch", "shared", "random"])
 @pytest.mark.parametrize("d", [24, 40])
 def test_head_major_flat_runs_at_head_dims_no_power_of_two(d, tables, device, monkeypatch):
     """A head dim that is no power of two runs head-major as flat runs of values (_rope_flat_kernel), forward
-    and backward, against the reference: here blocks of 64 lanes (2 or 1 tokens, lanes left over) in tiles of
-    8 tokens over 11, so the last tile and block are partial."""
+    and backward, against the reference: here blocks of 64 lanes (2 tokens or 1, lanes left over) in two tiles
+    of 6 tokens over 11 (at d 24 the last block partial, at d 40 a spare block past the sequence). Random
+    tables (each half's own cos and sin) tell the backward's partner sine from the value's own, which HF's
+    tables (each frequency twice) do not."""
     rope = sys.modules["onepass.ops.rope"]
     monkeypatch.setattr(rope, "HEAD_MAJOR_TOKENS", 4)
     monkeypatch.setattr(rope, "HEAD_MAJOR_TILE", 8)
@@ -112,8 +114,21 @@ def test_head_major_flat_runs_at_head_dims_no_power_of_two(d, tables, device, mo
     b, hq, hk, s = 2, 3, 2, 11
     q, k = torch.randn(b, hq, s, d, device=device), torch.randn(b, hk, s, d, device=device)
     cos, sin = _hf_tables(b if tables == "per_batch" else 1, s, d, device)
+    if tables == "random":
+        cos, sin = torch.randn(b, s, d, device=device), torch.randn(b, s, d, device=device)
     _check(q, k, cos, sin, torch.float32)
     assert kernels == [rope._rope_flat_kernel] * 2  # forward and backward
+
+
+def test_head_major_flat_runs_only_where_its_offsets_fit_int32():
+    """The flat kernel's offsets are int32: a head whose blocks, the grid's spare ones past the sequence
+    included, span 2^31 values or more takes the padded head-major kernel (a sequence of 26,840,519 tokens at
+    d 80 fits seq x d under 2^31, but its last tile's spare blocks do not)."""
+    rope = sys.modules["onepass.ops.rope"]
+    table = torch.empty(1, 1, 80)
+    assert rope._flat(80, 80, False, None, table, 16384, False)
+    assert not rope._flat(80, 80, False, None, table, 26_840_519, False)
+    assert not rope._flat(64, 64, False, None, table, 16384, False)  # a power of two: pairs of half-rows
 
 
 def test_head_major_order_runs_where_a_heads_tokens_are_contiguous_and_its_rows_short():

@@ -27,8 +27,9 @@ first, then those of k, so grouped-query k (fewer heads) costs only its own bloc
 run token by token within each head block, or, for per-batch tables, in tiles of tokens that
 take every head block in turn (TOKEN_TILE), so the tables are read from HBM once. Head-major,
 where a head's tokens are contiguous (bhsd) and its rows short: one program per block of
-HEAD_MAJOR_TOKENS tokens of one (sequence, head), the table rows re-read from L2 by each head; at a
-head dim that is no power of two, a block's values as one flat run (_rope_flat_kernel).
+HEAD_MAJOR_TOKENS tokens of one (sequence, head), the table rows re-read from L2 by each head. At a
+head dim that is no power of two (rotate-half over the whole head, no position ids, out of place), the
+blocks are FLAT_BLOCK // head dim tokens, each block's values one flat run (_rope_flat_kernel).
 """
 
 from __future__ import annotations
@@ -336,13 +337,23 @@ def _head_major(tensors: tuple[Tensor, ...], layout: str, seq: int) -> bool:
                 for t in tensors))
 
 
+def _flat_tiles(seq: int, d: int) -> tuple[int, int]:
+    """(blocks a tile, tiles) of _rope_flat_kernel's grid: even tiles of at most HEAD_MAJOR_TILE tokens, in blocks
+    of FLAT_BLOCK // d tokens."""
+    n_tiles = cdiv(seq, HEAD_MAJOR_TILE)
+    return cdiv(cdiv(seq, n_tiles), FLAT_BLOCK // d), n_tiles
+
+
 def _flat(d: int, rot: int, interleaved: bool, pos: Optional[Tensor], cos: Tensor, seq: int, inplace: bool) -> bool:
     """Whether the head-major order runs as flat runs (_rope_flat_kernel): a head dim that is no power of
     two, rotated whole in the half style, the tables' rows as long as a head's and read in token order (no
-    position ids), out of place (a program's threads read values others write: in place would race), and a
-    head's values fit int32 offsets."""
-    return (d & (d - 1) != 0 and rot == d and not interleaved and pos is None and cos.stride(-2) == d
-            and not inplace and seq * d < 2**31 - FLAT_BLOCK)
+    position ids), out of place (a program's threads read values others write: in place would race), and
+    the values a head's blocks span, the grid's spare blocks past the sequence included, fit int32 offsets."""
+    if not (d & (d - 1) != 0 and rot == d and not interleaved and pos is None and cos.stride(-2) == d
+            and not inplace):
+        return False
+    tile_blocks, n_tiles = _flat_tiles(seq, d)
+    return n_tiles * tile_blocks * (FLAT_BLOCK // d) * d < 2**31
 
 
 def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
@@ -358,9 +369,8 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     n_blocks = q_blocks + cdiv(hk, block_h)
     block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
                           else (1, NUM_WARPS))
-    if block_t > 1 and _flat(d, rot, interleaved, pos, cos, s, q_out is q):  # tiles as below, in blocks of tokens
-        n_tiles = cdiv(s, HEAD_MAJOR_TILE)
-        tile_blocks = cdiv(cdiv(s, n_tiles), FLAT_BLOCK // d)
+    if block_t > 1 and _flat(d, rot, interleaved, pos, cos, s, q_out is q):
+        tile_blocks, n_tiles = _flat_tiles(s, d)
         launch(_rope_flat_kernel, (tile_blocks, hq + hk, b * n_tiles),
                q, k, q_out, k_out, cos, sin, s, hq, tile_blocks, n_tiles,
                *(v for x in (q, k, q_out, k_out) for v in (x.stride(0), _bsh_strides(x, layout)[2])),
