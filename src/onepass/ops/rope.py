@@ -248,7 +248,7 @@ def _rope_flat_kernel(
     b = (tl.program_id(2) // n_tiles).to(tl.int64)
     first = ((tl.program_id(2) % n_tiles) * tile_blocks + tl.program_id(0)) * (tokens * HEAD_DIM)
     lane = tl.arange(0, BLOCK)
-    at = first + lane  # of the head's values (int32: the launcher bounds seq * HEAD_DIM)
+    at = first + lane  # of the head's values (int32: _flat bounds the blocks' span)
     ok = (lane < tokens * HEAD_DIM) & (at < seq * HEAD_DIM)
     lower = at % HEAD_DIM < half
     upper_ok, lower_ok = ok & ~lower, ok & lower
@@ -337,11 +337,11 @@ def _head_major(tensors: tuple[Tensor, ...], layout: str, seq: int) -> bool:
                 for t in tensors))
 
 
-def _flat_tiles(seq: int, d: int) -> tuple[int, int]:
-    """(blocks a tile, tiles) of _rope_flat_kernel's grid: even tiles of at most HEAD_MAJOR_TILE tokens, in blocks
-    of FLAT_BLOCK // d tokens."""
+def _head_major_tiles(seq: int, block_tokens: int) -> tuple[int, int]:
+    """(blocks a tile, tiles) of a head-major grid: even tiles of at most HEAD_MAJOR_TILE tokens, in blocks of
+    ``block_tokens`` (a partial block or so a tile to spare)."""
     n_tiles = cdiv(seq, HEAD_MAJOR_TILE)
-    return cdiv(cdiv(seq, n_tiles), FLAT_BLOCK // d), n_tiles
+    return cdiv(cdiv(seq, n_tiles), block_tokens), n_tiles
 
 
 def _flat(d: int, rot: int, interleaved: bool, pos: Optional[Tensor], cos: Tensor, seq: int, inplace: bool) -> bool:
@@ -352,7 +352,7 @@ def _flat(d: int, rot: int, interleaved: bool, pos: Optional[Tensor], cos: Tenso
     if not (d & (d - 1) != 0 and rot == d and not interleaved and pos is None and cos.stride(-2) == d
             and not inplace):
         return False
-    tile_blocks, n_tiles = _flat_tiles(seq, d)
+    tile_blocks, n_tiles = _head_major_tiles(seq, FLAT_BLOCK // d)
     return n_tiles * tile_blocks * (FLAT_BLOCK // d) * d < 2**31
 
 
@@ -370,16 +370,15 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
                           else (1, NUM_WARPS))
     if block_t > 1 and _flat(d, rot, interleaved, pos, cos, s, q_out is q):
-        tile_blocks, n_tiles = _flat_tiles(s, d)
+        tile_blocks, n_tiles = _head_major_tiles(s, FLAT_BLOCK // d)
         launch(_rope_flat_kernel, (tile_blocks, hq + hk, b * n_tiles),
                q, k, q_out, k_out, cos, sin, s, hq, tile_blocks, n_tiles,
                *(v for x in (q, k, q_out, k_out) for v in (x.stride(0), _bsh_strides(x, layout)[2])),
                cos_batch_stride, HEAD_DIM=d, BACKWARD=backward, BLOCK=FLAT_BLOCK,
                num_warps=max(1, FLAT_BLOCK // (32 * FLAT_VALUES_PER_THREAD[backward])))
         return
-    if block_t > 1:  # even tiles of at most HEAD_MAJOR_TILE tokens: a partial block or so a tile to spare
-        n_tiles = cdiv(s, HEAD_MAJOR_TILE)
-        tile_blocks = cdiv(cdiv(s, n_tiles), block_t)
+    if block_t > 1:
+        tile_blocks, n_tiles = _head_major_tiles(s, block_t)
         grid = (tile_blocks, hq + hk, b * n_tiles)
         tile = 0
     else:
