@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(BASE)
 	$(PY) -m pip uninstall -q -y onepass 2>/dev/null  # the distribution's name before onepass-kernels
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,hf]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,hf,plots]"  # plots: the sweep heatmaps' test
 	touch $@
 
 .PHONY: test test-wheel test-triton-newest run
