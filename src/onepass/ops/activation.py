@@ -62,8 +62,8 @@ GATED_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}  # 
 # loop down their columns (BIAS_BWD_PROGRAMS_PER_SM a SM), one fp32 partial row of the bias gradient each. Swept by
 # benchmarks/tune_rowwise.py activation (no committed log; numbers in CHANGELOG.md); now: results/h200/activation.md.
 TILE_FLAT = (1, 2048, 8)
-# The forward over few values (at most SMALL_PROGRAMS_PER_SM programs of TILE_FLAT an SM): 16 values a thread, 7-16%
-# faster up to ~6M values, even at 8M, 1-2.5% slower for swiglu from 15M (H200, results/h200/act_fwd_tile.log)
+# The forward over few values (at most SMALL_PROGRAMS_PER_SM programs of TILE_FLAT an SM): 16 values a thread, fewer
+# programs for a grid of few waves; past it 8 (results/h200/act_fwd_tile.log)
 TILE_FLAT_SMALL, SMALL_PROGRAMS_PER_SM = (1, 2048, 4), 32
 TILE_BIAS = (32, 256, 4)
 TILE_BIAS_BWD = (4, 2048, 8)

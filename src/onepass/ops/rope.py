@@ -76,9 +76,9 @@ HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS, HEAD_MAJOR_ROW_BYTES = 16, 2, 256
 # next head, while each head's run stays long.
 HEAD_MAJOR_TILE = 16384
 # Head-major as flat runs of values (_rope_flat_kernel, FLAT_BLOCK lanes) where the head dim is no power of two (whole
-# heads, rotate-half, the tables' rows as long as a head's, out of place), FLAT_VALUES_PER_THREAD by direction: the
-# forward fastest at 8, the backward (one more load) at 16, each 5-7% slower at the other's. H200, d 80: 6% faster
-# than the padded head-major order; d 96 even; d 64 slower (results/h200/rope_flat.log)
+# heads, rotate-half, the tables' rows as long as a head's, out of place): there the padded pairs of half-rows leave
+# lanes idle. FLAT_VALUES_PER_THREAD by direction: the backward makes one more load a value
+# (results/h200/rope_flat.log has the sweep of lanes and warps)
 FLAT_BLOCK, FLAT_VALUES_PER_THREAD = 2048, {False: 8, True: 16}
 TABLE_ELEMENTS = 2048  # angles a program of rope_tables computes (a decode step: one program)
 
