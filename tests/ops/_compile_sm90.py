@@ -109,6 +109,10 @@ def cases():
         q, kv = empty(batch, 32, 1, 128), empty(batch, 8, cache, 128)
         decode._decode_launch(q, kv, kv, torch.full((batch,), cache, dtype=torch.int32), 0.088, 0.0, "bhsd", 0,
                               window or 0)
+    q, kv, new = empty(1, 32, 1, 64), empty(1, 8, 576, 64), empty(1, 8, 1, 64)  # the append, with RoPE and without
+    for tables in ((empty(1, 1, 64), empty(1, 1, 64), torch.zeros(1, dtype=torch.int64)), (None, None, None)):
+        decode._decode_launch(q, kv, kv, torch.full((1,), 576, dtype=torch.int32), 0.125, 0.0, "bhsd", 0, 0, new,
+                              new, *tables)
     linear = ops("decode_linear")
     for n_in, outs, act_id in ((2048, (2048, 512, 512), -1), (8192, (2048,), -1), (2048, (8192, 8192), 0)):
         x = empty(1, n_in)

@@ -205,6 +205,140 @@ def test_bad_input_raises(call, error, words, device):
         call(q, k, v, torch.tensor([32, 5], dtype=torch.int32, device=device))
 
 
+def _rotary_tables(rows, n_tokens, head_dim, device, form):
+    """Random rotary tables (each entry its own angle, so a kernel using the wrong partner fails) in the
+    forms decode_attention takes: per sequence [B, Tq, D], shared [1, Tq, D] or 2-D [Tq, D]."""
+    angles = torch.randn(rows if form == "per sequence" else 1, n_tokens, head_dim, device=device)
+    cos, sin = angles.cos(), angles.sin()
+    return (cos[0], sin[0]) if form == "2-D" else (cos, sin)
+
+
+def _append_case(batch, kv_heads, n_tokens, lens, layout, tables, device, dtype=torch.float32, cache_len=40,
+                 head_dim=16):
+    q, k, v = _inputs(batch, 2 * kv_heads, kv_heads, n_tokens, cache_len, head_dim, dtype, device, layout)
+    k_new, v_new, _ = _inputs(batch, kv_heads, kv_heads, n_tokens, n_tokens, head_dim, dtype, device, layout)
+    cos, sin = _rotary_tables(batch, n_tokens, head_dim, device, tables) if tables else (None, None)
+    return q, k, v, k_new, v_new, cos, sin, torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def _append_and_attend_reference(q, k, v, seqlens, k_new, v_new, cos, sin, layout, **kw):
+    """The append in float64 (reference.decode_append), then reference.decode_attention: (out, caches, count)."""
+    k_ref, v_ref, count = k.double(), v.double(), torch.zeros(1, dtype=torch.int64)
+    q_ref = reference.decode_append(q.double(), k_ref, v_ref, seqlens.cpu(), k_new.double(), v_new.double(),
+                                    *((cos.double(), sin.double()) if cos is not None else (None, None)), count,
+                                    layout)
+    return reference.decode_attention(q_ref, k_ref, v_ref, seqlens, layout=layout, **kw), k_ref, v_ref, count
+
+
+# lengths: a long one, one whose new tokens are its only keys, one at the cache's end
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("tables", [None, "per sequence", "shared", "2-D"])
+@pytest.mark.parametrize("n_tokens, num_splits", [(1, 1), (1, 3), (2, 3)])
+def test_append_then_attend(layout, tables, n_tokens, num_splits, chunks, device):
+    """The new keys and values stored (rotated by the tables) at each sequence's last positions, the
+    rest of the caches untouched, q rotated, the count advanced, and the output the reference's."""
+    q, k, v, k_new, v_new, cos, sin, seqlens = _append_case(3, 2, n_tokens, [33, n_tokens, 40], layout, tables,
+                                                            device)
+    want, k_want, v_want, count_want = _append_and_attend_reference(q, k, v, seqlens, k_new, v_new, cos, sin, layout,
+                                                                    scale=0.3)
+    count = torch.full((1,), 5, dtype=torch.int64, device=device)
+    out = ops.decode_attention(q, k, v, seqlens, 0.3, layout=layout, num_splits=num_splits, k_new=k_new,
+                               v_new=v_new, cos=cos, sin=sin, cache_length=count)
+    assert_close(out, want, torch.float32)
+    assert_close(k, k_want, torch.float32, "k_cache")
+    assert torch.equal(v.double(), v_want)  # (copied, not computed)
+    assert count.item() == 5 + n_tokens and count_want.item() == n_tokens
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_append_ragged_window_softcap_float16(window, chunks, device):
+    """A ragged batch past a window, with softcap, in float16 at a head dim of 80 (padded tiles)."""
+    q, k, v, k_new, v_new, cos, sin, seqlens = _append_case(4, 1, 1, [40, 1, 17, 7], "bhsd", "per sequence",
+                                                            device, torch.float16, head_dim=80)
+    want, k_want, v_want, _ = _append_and_attend_reference(q, k, v, seqlens, k_new, v_new, cos, sin, "bhsd",
+                                                           window=window, softcap=2.0)
+    out = ops.decode_attention(q, k, v, seqlens, softcap=2.0, window=window, num_splits=3, k_new=k_new,
+                               v_new=v_new, cos=cos, sin=sin)
+    assert_close(out, want, torch.float16)
+    assert_close(k, k_want, torch.float16, "k_cache")
+    assert torch.equal(v.double(), v_want)
+
+
+def test_append_outside_the_cache_writes_nothing(device):
+    """A length past the cache or shorter than the new tokens: the tokens with no position inside the
+    cache are not written (2 new tokens and a length of 42 in a 40-position cache: nothing; of 1: only the
+    second, at position 0)."""
+    q, k, v, k_new, v_new, _, _, seqlens = _append_case(2, 2, 2, [42, 1], "bhsd", None, device)
+    k_before, v_before = k.clone(), v.clone()
+    ops.decode_attention(q, k, v, seqlens, num_splits=2, k_new=k_new, v_new=v_new)
+    assert torch.equal(k[0], k_before[0]) and torch.equal(v[0], v_before[0])
+    assert torch.equal(k[1, :, 0], k_new[1, :, 1]) and torch.equal(k[1, :, 1:], k_before[1, :, 1:])
+    assert torch.equal(v[1, :, 0], v_new[1, :, 1])
+
+
+def test_append_reference_path_matches_the_kernels(device):
+    """Without the kernels (reference mode), the append and the output are the same."""
+    from onepass.ops.dispatch import reference_mode
+
+    case = _append_case(2, 2, 1, [33, 9], "bshd", "shared", device)
+    q, k, v, k_new, v_new, cos, sin, seqlens = case
+    k2, v2 = k.clone(), v.clone()
+    count, count2 = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    out = ops.decode_attention(q, k, v, seqlens, layout="bshd", k_new=k_new, v_new=v_new, cos=cos, sin=sin,
+                               cache_length=count)
+    with reference_mode():
+        out2 = ops.decode_attention(q, k2, v2, seqlens, layout="bshd", k_new=k_new, v_new=v_new, cos=cos, sin=sin,
+                                    cache_length=count2)
+    assert_close(out, out2, torch.float32)
+    assert_close(k, k2, torch.float32, "k_cache")
+    assert torch.equal(v, v2) and count.item() == count2.item() == 1
+
+
+def test_append_torch_compile_and_opcheck(device):
+    from onepass.ops.decode_attention import _decode_attention_append
+
+    q, k, v, k_new, v_new, cos, sin, seqlens = _append_case(2, 2, 1, [24, 9], "bhsd", "per sequence", device)
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    k2, v2, count2 = k.clone(), v.clone(), count.clone()
+    fn = torch.compile(lambda q, k, v: ops.decode_attention(q, k, v, seqlens, num_splits=2, k_new=k_new, v_new=v_new,
+                                                            cos=cos, sin=sin, cache_length=count) * 2,
+                       fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = fn(q, k, v)
+    want = 2 * ops.decode_attention(q, k2, v2, seqlens, num_splits=2, k_new=k_new, v_new=v_new, cos=cos, sin=sin,
+                                    cache_length=count2)
+    assert_close(out, want, torch.float32)
+    assert torch.equal(k, k2) and torch.equal(v, v2) and count.item() == count2.item() == 1
+    torch.library.opcheck(_decode_attention_append,
+                          (q, k, v, seqlens, k_new, v_new, cos, sin, count, 0.25, 0.0, "bhsd", 2, 0))
+    torch.library.opcheck(_decode_attention_append,
+                          (q, k, v, seqlens, k_new, v_new, None, None, None, 0.25, 0.0, "bhsd", 1, 5))
+
+
+def _append_call(**kw):
+    return lambda q, k, v, s: ops.decode_attention(q, k, v, s, **{"k_new": k[:, :, :1].clone(),
+                                                                  "v_new": v[:, :, :1].clone(), **kw})
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, k_new=k[:, :, :1]), ValueError, "come together"),
+    (lambda q, k, v, s: ops.decode_attention(q, k, v, s, cos=q[0]), ValueError, "need them"),
+    (_append_call(k_new=torch.zeros(2, 2, 2, 16)), ValueError, "k_new must be q's shape"),
+    (_append_call(v_new=torch.zeros(2, 2, 1, 16, dtype=torch.float16)), TypeError, "v_new must have the caches' dtype"),
+    (_append_call(cos=torch.zeros(1, 16)), ValueError, "cos and sin come together"),
+    (_append_call(cos=torch.zeros(1, 8), sin=torch.zeros(1, 8)), ValueError, "the whole head"),
+    (_append_call(cos=torch.zeros(3, 1, 16), sin=torch.zeros(3, 1, 16)), ValueError, "batch or 1"),
+    (_append_call(cos=torch.zeros(1, 16), sin=torch.zeros(2, 1, 16)), ValueError, "one shape"),
+    (_append_call(cache_length=torch.zeros(2, dtype=torch.int64)), TypeError, "one-element"),
+    (_append_call(cache_length=torch.zeros(1)), TypeError, "int32 or int64"),
+    (lambda q, k, v, s: _append_call()(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, s), ValueError,
+     "unit last stride"),
+])
+def test_append_bad_input_raises(call, error, words, device):
+    q, k, v = _inputs(2, 4, 2, 1, 32, 16, torch.float32, "cpu")
+    with pytest.raises(error, match=words):
+        call(q, k, v, torch.tensor([32, 5], dtype=torch.int32))
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 
@@ -240,3 +374,17 @@ def test_gpu_bf16_sliding_window_long_cache():
     out = ops.decode_attention(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cuda"), window=4096,
                                softcap=50.0)
     assert_close(out, _windowed_reference(q, k, v, lens, 4096, softcap=50.0), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", [1, 2])
+def test_gpu_bf16_append_real_sizes(n_tokens, chunks):
+    """A Llama-3-8B-like decode step's append with RoPE (8 sequences, 32/8 heads, dim 128, 8k cache, ragged)."""
+    lens = [8192, 1 + n_tokens, 5000, 4097, 300, 8000, 2, 6000]
+    q, k, v, k_new, v_new, cos, sin, seqlens = _append_case(8, 8, n_tokens, lens, "bhsd", "per sequence", "cuda",
+                                                            torch.bfloat16, cache_len=8192, head_dim=128)
+    q = q.repeat_interleave(2, 1)  # 32 q heads
+    want, k_want, _, _ = _append_and_attend_reference(q, k, v, seqlens, k_new, v_new, cos, sin, "bhsd")
+    out = ops.decode_attention(q, k, v, seqlens, k_new=k_new, v_new=v_new, cos=cos, sin=sin)
+    assert_close(out, want, torch.bfloat16)
+    assert_close(k, k_want, torch.bfloat16, "k_cache")

@@ -34,7 +34,7 @@ def test_traced_launches_write_only_their_own_outputs():
 def _cases():
     from onepass.ops.activation import GELU_TANH, SILU, _act_fwd
     from onepass.ops.attention import _attention_fwd
-    from onepass.ops.decode_attention import _decode_attention
+    from onepass.ops.decode_attention import _decode_attention, _decode_attention_append
     from onepass.ops.decode_linear import _decode_linear
     from onepass.ops.norm import _norm_fwd
     from onepass.ops.projections import _gated_mlp
@@ -65,6 +65,14 @@ def _cases():
         (_decode_linear, (torch.randn(2, 40), [torch.randn(24, 40), torch.randn(24, 40)], [None, None], SILU)),
         (_decode_attention, (torch.randn(2, 4, 1, 16), k, v, torch.tensor([33, 9], dtype=torch.int32), 0.25, 0.0,
                              "bhsd", 2, 5)),
+        # the append writes the caches and the count it is given (its declared mutations), nothing else
+        (_decode_attention_append, (torch.randn(2, 4, 1, 16), torch.randn(2, 2, 33, 16), torch.randn(2, 2, 33, 16),
+                                    torch.tensor([33, 9], dtype=torch.int32), torch.randn(2, 2, 1, 16),
+                                    torch.randn(2, 2, 1, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16),
+                                    torch.zeros(1, dtype=torch.int64), 0.25, 0.0, "bhsd", 2, 0), (1, 2, 8)),
+        (_decode_attention_append, (torch.randn(2, 4, 1, 16), torch.randn(2, 2, 33, 16), torch.randn(2, 2, 33, 16),
+                                    torch.tensor([33, 9], dtype=torch.int32), torch.randn(2, 2, 1, 16),
+                                    torch.randn(2, 2, 1, 16), None, None, None, 0.25, 0.0, "bhsd", 1, 5), (1, 2)),
     ]
 
 
@@ -125,11 +133,11 @@ def _main():
                     sys.exit(f"{op}: {kernel.fn.__name__} is taken to write {dep.name}, a tensor it was given")
 
     with torch.no_grad():
-        for op, args in _cases():
+        for op, args, *mutated in _cases():
             first = len(launches)
             out = op._init_fn(*args)
             assert len(launches) > first, f"{op}: no forward launch recorded"
-            check(op, args, first)
+            check(op, [a for i, a in enumerate(args) if i not in (mutated or [()])[0]], first)
             if op._backward_fn is not None:  # (decode and the tables have no gradient)
                 _backward(op, args, out, check, launches)
     print(f"checked {len(launches)} launches")

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from onepass import ops
+from onepass.ops import kv_cache
 
 # True while onepass.Decoder runs a decode step in which every attention layer runs decode_attention over the
 # cache's lengths and reads no mask: the mask function then builds none (transformers builds one for a static
@@ -50,7 +51,9 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     The onepass kernel covers training and prefill (no explicit mask: causal, sliding window
     and softcap are built in). A decode step of ``onepass.Decoder`` (``cache_seqlens``: key
     and value are the whole static cache, indexed by position, each row valid up to its
-    length) runs ``decode_attention``, with the layer's sliding window. A padding mask,
+    length) runs ``decode_attention``, with the layer's sliding window; given ``decode_append`` (the
+    step's new keys and values, with the rotary tables when q and k are still to be rotated: onepass's
+    rotary attention hands them), the cache append and RoPE run in that launch too. A padding mask,
     attention dropout or another decode step (fewer queries than keys) goes to PyTorch's
     SDPA, or to the eager path when softcap is set, with the causal and sliding-window mask
     spelled out where HF handed none. ``output_attentions`` takes the eager path too: the
@@ -61,10 +64,16 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
     weights = kwargs.get("output_attentions", False)
     fused = dropout == 0.0 and not weights
+    append = kwargs.pop("decode_append", None)  # (k_new, v_new, cos, sin, cache_length): key, value are the caches
     if cache_seqlens is not None and fused:
+        k_new, v_new, cos, sin, length = append or (None,) * 5
         out = ops.decode_attention(query, key, value, cache_seqlens, scale=scaling, softcap=softcap,
-                                   window=sliding_window)
+                                   window=sliding_window, k_new=k_new, v_new=v_new, cos=cos, sin=sin,
+                                   cache_length=length)
         return out.transpose(1, 2), None
+    if append is not None:  # not decode attention's launch: the append first, in its own
+        k_new, v_new, cos, sin, length = append
+        query = kv_cache.append_to_cache(key, value, length, k_new, v_new, query, cos, sin)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and fused and query.shape[2] == key.shape[2]:
         # HF's [b, h, s, d] are transposed views of the projections' [b, s, h, d]: hand the

@@ -74,8 +74,9 @@ def rotary_attention_forward(rope: Callable, parts: AttentionParts) -> Callable:
     so ``config._attn_implementation`` (sdpa, flash, onepass, ...) picks the kernel, with the
     module's scaling, sliding window and logit softcap; o_proj runs as ``projections.linears`` too
     (a decode step's few rows: ``decode_linear``, launched as a programmatic dependent). In a
-    decode step of ``onepass.Decoder`` k and v go to the static cache in one launch that also
-    applies RoPE to q and k (``kv_cache.append_to_cache``), so rope runs no launch of its own."""
+    decode step of ``onepass.Decoder`` k and v go to the static cache in decode attention's
+    launch, which also applies RoPE to q and k (attn_implementation "onepass": ``decode_append``),
+    or else in one launch of their own that does (``kv_cache.append_to_cache``): rope runs no launch."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from onepass.models.attention import eager_attention
@@ -97,10 +98,14 @@ def rotary_attention_forward(rope: Callable, parts: AttentionParts) -> Callable:
         if not rope_in_append:
             q, k = rope(q, k, cos, sin, style=parts.style)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if layer is not None:  # one launch; with the tables, k stored rotated and q rotated into a new tensor
-            tables = (q, cos, sin) if rope_in_append else ()
-            rotated = kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v, *tables)
-            q, k, v = (rotated if rope_in_append else q), layer.keys, layer.values
+        tables = (cos, sin) if rope_in_append else (None, None)
+        if layer is not None and self.config._attn_implementation == "onepass":
+            # the append (and RoPE) in decode attention's launch: onepass_attention takes the new k and v
+            kwargs["decode_append"] = (k, v, *tables, layer.cumulative_length)
+            k, v = layer.keys, layer.values
+        elif layer is not None:  # one launch; with the tables, k stored rotated and q rotated into a new tensor
+            q = kv_cache.append_to_cache(layer.keys, layer.values, layer.cumulative_length, k, v, q, *tables)
+            k, v = layer.keys, layer.values
         elif cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)

@@ -44,6 +44,7 @@ long the cache).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -117,17 +118,22 @@ def _at(values, bs, b):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr, o_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, count_ptr,
     q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
-    o_stride_b, o_stride_h, o_stride_t, n_batch, n_kv_heads, group, n_tokens, cache_len, spread, n_slots, scale,
-    softcap, window,
+    o_stride_b, o_stride_h, o_stride_t, kn_stride_b, kn_stride_h, kn_stride_t, vn_stride_b, vn_stride_h, vn_stride_t,
+    cos_stride_b, cos_stride_t, n_batch, n_kv_heads, group, n_tokens, cache_len, spread, n_slots, scale, softcap,
+    window,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr, APPEND: tl.constexpr, ROPE: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     launch_next_kernel(PDL)
     pid = tl.program_id(0)  # a 1-D grid: batch * kv heads is not bound by grid axis 1's 65535
+    if COUNT:  # the caller's count of cached tokens (transformers' cumulative_length) advanced by one program
+        if pid == 0:
+            tl.store(count_ptr, tl.load(count_ptr) + n_tokens)
     if SHARED:  # chunks shared by positions: program (i-th chunk of the batch's, kv head), kv heads fastest
         hk = pid % n_kv_heads
         i = pid // n_kv_heads
@@ -154,8 +160,17 @@ def _decode_split_kernel(
     t = rows % n_tokens
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b64 * q_stride_b + h64[:, None] * q_stride_h + t[:, None] * q_stride_t + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = q_ptr + b64 * q_stride_b + h64[:, None] * q_stride_h + t[:, None] * q_stride_t
+    q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:  # q rotated here (rotate-half on the whole head), by the table row of its sequence and token
+        partner_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+        sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
+        q_at = b64 * cos_stride_b + t[:, None] * cos_stride_t + offs_d[None, :]
+        q_ok = row_ok[:, None] & d_ok[None, :]
+        c = tl.load(cos_ptr + q_at, mask=q_ok, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + q_at, mask=q_ok, other=0.0).to(tl.float32)
+        q_partner = tl.load(q_rows + partner_d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * c + sign[None, :] * sn * q_partner).to(q.dtype)
 
     start = 0
     if WINDOW:  # the first token's window starts there: the splits share only the visible keys
@@ -163,6 +178,27 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seqlen - start, n_chunks), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
+    if APPEND:  # the new tokens' keys and values stored first, each by the program whose chunk holds its position
+        new_lo = tl.load(seqlens_ptr + b) - n_tokens  # (unclamped: a position past the cache is in no chunk)
+        for tn in range(0, n_tokens):
+            at = new_lo + tn
+            if (lo <= at) & (at < hi):
+                kn_row = kn_ptr + b64 * kn_stride_b + hk64 * kn_stride_h + tn * kn_stride_t
+                kn = tl.load(kn_row + offs_d, mask=d_ok, other=0.0)
+                if ROPE:
+                    kn_at = b64 * cos_stride_b + tn * cos_stride_t + offs_d
+                    kc = tl.load(cos_ptr + kn_at, mask=d_ok, other=0.0).to(tl.float32)
+                    ks = tl.load(sin_ptr + kn_at, mask=d_ok, other=0.0).to(tl.float32)
+                    kn_partner = tl.load(kn_row + partner_d, mask=d_ok, other=0.0).to(tl.float32)
+                    kn = kn.to(tl.float32) * kc + sign * ks * kn_partner
+                vn = tl.load(vn_ptr + b64 * vn_stride_b + hk64 * vn_stride_h + tn * vn_stride_t + offs_d, mask=d_ok,
+                             other=0.0)
+                at64 = at.to(tl.int64)
+                tl.store(k_ptr + b64 * k_stride_b + hk64 * k_stride_h + at64 * k_stride_s + offs_d,
+                         kn.to(k_ptr.dtype.element_ty), mask=d_ok)
+                tl.store(v_ptr + b64 * v_stride_b + hk64 * v_stride_h + at64 * v_stride_s + offs_d,
+                         vn.to(v_ptr.dtype.element_ty), mask=d_ok)
+        tl.debug_barrier()  # the stores seen by this program's own loads of its tiles
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -235,10 +271,21 @@ def _bhsd(t: Tensor, layout: str) -> Tensor:
     return unit_stride(t.transpose(1, 2) if layout == "bshd" else t)
 
 
-def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window):
+def _tables(cos: Tensor) -> tuple[Tensor, int, int]:
+    """A rotary table [B or 1, Tq, D] or [Tq, D] at unit last stride, and its (batch, token) strides."""
+    cos = unit_stride(cos)
+    return cos, (cos.stride(0) if cos.dim() == 3 and cos.shape[0] > 1 else 0), cos.stride(-2)
+
+
+def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window, k_new=None,
+                   v_new=None, cos=None, sin=None, cache_length=None):
     cache_seqlens = cache_seqlens.contiguous()  # the kernels index it densely
     out = empty_output(q)
     qv, kv, vv, ov = (_bhsd(t, layout) for t in (q, k_cache, v_cache, out))
+    # the append's tensors; absent, placeholders the kernel never reads or writes
+    append, rope, count = k_new is not None, cos is not None, cache_length is not None
+    knv, vnv = (_bhsd(k_new, layout), _bhsd(v_new, layout)) if append else (qv, qv)
+    (cos, cos_sb, cos_st), (sin, _, _) = (_tables(cos), _tables(sin)) if rope else ((qv, 0, 0), (qv, 0, 0))
     batch, heads, n_tokens, head_dim = qv.shape
     kv_heads, cache_len = kv.shape[1], kv.shape[2]
     if q.numel() == 0:
@@ -263,15 +310,16 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     lse_part = ov if direct else torch.empty((rows, n_slots), dtype=torch.float32, device=q.device)
     block_b = next_power_of_2(batch)
     launch(_decode_split_kernel, (splits * batch * kv_heads,),
-        qv, kv, vv, cache_seqlens, o_part, lse_part, ov,
-        *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3], *ov.stride()[:3],
-        batch, kv_heads, group, n_tokens, cache_len, spread, n_slots, scale, softcap or 1.0, window or 1,
+        qv, kv, vv, cache_seqlens, o_part, lse_part, ov, knv, vnv, cos, sin, cache_length if count else cache_seqlens,
+        *qv.stride()[:3], *kv.stride()[:3], *vv.stride()[:3], *ov.stride()[:3], *knv.stride()[:3], *vnv.stride()[:3],
+        cos_sb, cos_st, batch, kv_heads, group, n_tokens, cache_len, spread, n_slots, scale, softcap or 1.0,
+        window or 1,
         WINDOW=bool(window), SOFTCAP=bool(softcap), HEAD_DIM=head_dim,
         BLOCK_M=max(16, next_power_of_2(group * n_tokens)),
         BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_B=block_b,
         LONG=cache_len * max(kv.stride(2), vv.stride(2)) >= 2**31 - 2**16,
         PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, SHARED=shared, DIRECT=direct,
-        PDL=pdl,
+        PDL=pdl, APPEND=append, ROPE=rope, COUNT=count,
     )
     if direct:
         return out
@@ -288,6 +336,21 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
 def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float,
                       softcap: float, layout: str, num_splits: int, window: int) -> Tensor:
     return _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
+
+
+def _decode_append_launch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cos, sin, cache_length, scale, softcap,
+                          layout, num_splits, window):
+    return _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window, k_new, v_new,
+                          cos, sin, cache_length)
+
+
+@triton_op("onepass::decode_attention_append", mutates_args=("k_cache", "v_cache", "cache_length"))
+def _decode_attention_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Tensor,
+                             v_new: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
+                             cache_length: Optional[Tensor], scale: float, softcap: float, layout: str,
+                             num_splits: int, window: int) -> Tensor:
+    return _decode_append_launch(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cos, sin, cache_length, scale,
+                                 softcap, layout, num_splits, window)
 
 
 # ---------------------------------------------------------------- public function
@@ -339,9 +402,52 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_split
                          "tensors that do not require grad; use attention() for training")
 
 
+def _check_append(q, k_cache, v_cache, layout, k_new, v_new, cos, sin, cache_length):
+    if k_new is None or v_new is None:
+        if k_new is not None or v_new is not None or cos is not None or sin is not None or cache_length is not None:
+            raise ValueError("k_new and v_new come together; cos, sin and cache_length need them (the append)")
+        return
+    heads_axis = 2 if layout == "bshd" else 1
+    tokens_axis = 3 - heads_axis
+    want = list(q.shape)
+    want[heads_axis] = k_cache.shape[heads_axis]
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        check_float(name, t)
+        if list(t.shape) != want:
+            raise ValueError(f"{name} must be q's shape with the caches' kv heads {tuple(want)} (the new tokens' keys "
+                             f"or values, {layout}), got {tuple(t.shape)}")
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{name} must have the caches' dtype {k_cache.dtype}, got {t.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride to be written in place, got strides {t.stride()}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin come together (the rotary tables)")
+    n_tokens, head_dim = q.shape[tokens_axis], q.shape[-1]
+    if cos is not None:
+        for name, t in (("cos", cos), ("sin", sin)):
+            check_float(name, t)
+            if t.dim() not in (2, 3) or tuple(t.shape[-2:]) != (n_tokens, head_dim) or (
+                    t.dim() == 3 and t.shape[0] not in (1, q.shape[0])):
+                raise ValueError(f"{name} must be [batch or 1, {n_tokens}, {head_dim}] or [{n_tokens}, {head_dim}] "
+                                 f"(a table row per new token, the whole head), got {tuple(t.shape)}")
+        if cos.shape != sin.shape:
+            raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        if head_dim % 2:
+            raise ValueError(f"rotate-half RoPE needs an even head dim, got {head_dim}")
+    if cache_length is not None and (not isinstance(cache_length, Tensor) or cache_length.numel() != 1
+                                     or cache_length.dtype not in (torch.int32, torch.int64)):
+        raise TypeError("cache_length must be a one-element int32 or int64 torch.Tensor (a count of cached tokens)")
+    check_same_device(q=q, k_new=k_new, v_new=v_new, cos=cos, sin=sin, cache_length=cache_length)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k_new, v_new, cos, sin)):
+        raise ValueError("decode_attention is inference only (no autograd): call it under torch.no_grad()")
+
+
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                      scale: float | None = None, softcap: float | None = None, layout: str = "bhsd", *,
-                     window: int | None = None, num_splits: int | None = None) -> Tensor:
+                     window: int | None = None, num_splits: int | None = None, k_new: Tensor | None = None,
+                     v_new: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
+                     cache_length: Tensor | None = None) -> Tensor:
     """Attention of a few new tokens per sequence over a KV cache (inference, no autograd).
 
     q: [B, H, Tq, D]; k_cache, v_cache: [B, Hk, L_max, D] (``layout="bshd"``: [B, Tq, H, D]
@@ -352,11 +458,26 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     p sees keys p - window + 1 .. p only. ``num_splits`` overrides the chunks a sequence's visible
     keys are cut into (default: enough to fill the GPU twice; where a ragged batch's chunks are
     shared by positions, B * num_splits chunks a kv head, more for the long sequences).
+
+    Appending in the same launch (a decode step's cache update, as FlashAttention's
+    ``flash_attn_with_kvcache``): ``k_new``, ``v_new`` (q's shape with Hk heads, the caches'
+    dtype) are the new tokens' keys and values, written into k_cache and v_cache in place at
+    each sequence's last Tq positions (``cache_seqlens[b] - Tq`` on; positions outside the cache
+    are not written) before they are attended. With the rotary tables ``cos``, ``sin`` ([B or 1,
+    Tq, D] or [Tq, D]: HF's, rotate-half over the whole head), q and the new keys are rotated
+    first (the keys stored rotated; q itself is not written). ``cache_length``, a one-element
+    integer tensor (transformers' ``StaticLayer.cumulative_length``), is advanced by Tq.
     """
     _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
+    _check_append(q, k_cache, v_cache, layout, k_new, v_new, cos, sin, cache_length)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_triton(q):
+        if k_new is not None:
+            q = reference.decode_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cos, sin, cache_length,
+                                        layout)
         return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, window)
-    return route(_decode_attention, _decode_launch, q)(q, k_cache, v_cache, cache_seqlens, scale,
-                                                       float(softcap or 0.0), layout, int(num_splits or 0),
-                                                       int(window or 0))
+    options = (scale, float(softcap or 0.0), layout, int(num_splits or 0), int(window or 0))
+    if k_new is None:
+        return route(_decode_attention, _decode_launch, q)(q, k_cache, v_cache, cache_seqlens, *options)
+    return route(_decode_attention_append, _decode_append_launch, q)(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                                     cos, sin, cache_length, *options)

@@ -105,7 +105,7 @@ def append_to_cache(k_cache: Tensor, v_cache: Tensor, length: Tensor, k: Tensor,
     a unit last one); ``length``: a one-element int64 device tensor (transformers'
     ``cumulative_length``). With ``q`` [B, Hq, T, D] and the rotary tables ``cos``, ``sin``
     [B or 1, T, D] (HF's, unit last stride): k is stored rotated and the rotated q is returned
-    (a new [B, Hq, T, D] tensor); else None. The caller checks shapes and dtypes (onepass's
+    (a new [B, Hq, T, D] tensor); else ``q`` as given. The caller checks shapes and dtypes (onepass's
     attention does).
     """
     batch, heads, n_new, head_dim = k.shape
@@ -122,4 +122,4 @@ def append_to_cache(k_cache: Tensor, v_cache: Tensor, length: Tensor, k: Tensor,
            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
            *(q.stride()[:3] if rope else (0, 0, 0)), *(q_out.stride()[:3] if rope else (0, 0, 0)), *cos_strides,
            ROPE=rope, BLOCK_ROWS=block_rows, BLOCK_D=block_d, PDL=dependent_launch(k), num_warps=4)
-    return q_out
+    return q_out if rope else q

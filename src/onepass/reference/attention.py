@@ -99,3 +99,26 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=Non
                               scale=scale, window=window, softcap=softcap))
     out = torch.cat(outs, 0)
     return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def decode_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cos=None, sin=None, cache_length=None,
+                  layout="bhsd"):
+    """Reference of ``onepass.ops.decode_attention``'s append: k_new and v_new written into the caches
+    in place at each sequence's last Tq positions (``cache_seqlens[b] - Tq`` on, those inside the
+    cache), rotated first by the tables if given (rotate-half, whole head), and ``cache_length``
+    advanced by Tq; returns q, rotated by the tables if given."""
+    from onepass.reference.rope import rope
+
+    if layout == "bshd":
+        q, k_cache, v_cache, k_new, v_new = (t.transpose(1, 2) for t in (q, k_cache, v_cache, k_new, v_new))
+    if cos is not None:
+        q, k_new = rope(q, k_new, cos, sin)
+    n_new = k_new.shape[2]
+    for b, length in enumerate(cache_seqlens.tolist()):
+        for t in range(n_new):
+            if 0 <= length - n_new + t < k_cache.shape[2]:
+                k_cache[b, :, length - n_new + t] = k_new[b, :, t]
+                v_cache[b, :, length - n_new + t] = v_new[b, :, t]
+    if cache_length is not None:
+        cache_length += n_new
+    return q.transpose(1, 2) if layout == "bshd" else q
