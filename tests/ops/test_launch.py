@@ -134,9 +134,15 @@ KERNELS = [  # module, kernel, constexprs
     ("decode_linear", "_decode_linear_kernel", dict(GATED=False, ACT=0, HAS_BIAS=False, HAS_RESIDUAL=True,
      PRECISION="ieee", SPLIT_K=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
     ("decode_attention", "_decode_split_kernel", dict(WINDOW=True, SOFTCAP=False, HEAD_DIM=64, BLOCK_M=16,
-     BLOCK_N=64, BLOCK_D=64, BLOCK_B=8, LONG=False, PRECISION="ieee", SHARED=True, DIRECT=False)),
+     BLOCK_N=64, BLOCK_D=64, BLOCK_B=8, LONG=False, PRECISION="ieee", SHARED=True, DIRECT=False, APPEND=False,
+     ROPE=False, COUNT=False)),
     ("decode_attention", "_decode_split_kernel", dict(WINDOW=False, SOFTCAP=True, HEAD_DIM=128, BLOCK_M=16,
-     BLOCK_N=64, BLOCK_D=128, BLOCK_B=1, LONG=False, PRECISION="ieee", SHARED=False, DIRECT=True)),
+     BLOCK_N=64, BLOCK_D=128, BLOCK_B=1, LONG=False, PRECISION="ieee", SHARED=False, DIRECT=True, APPEND=False,
+     ROPE=False, COUNT=False)),
+    # a decode step's append (with RoPE and the count) in the split launch: its stores after the wait too
+    ("decode_attention", "_decode_split_kernel", dict(WINDOW=False, SOFTCAP=False, HEAD_DIM=64, BLOCK_M=16,
+     BLOCK_N=64, BLOCK_D=64, BLOCK_B=1, LONG=False, PRECISION="ieee", SHARED=False, DIRECT=False, APPEND=True,
+     ROPE=True, COUNT=True)),
     ("decode_attention", "_decode_merge_kernel", dict(WINDOW=True, HEAD_DIM=64, BLOCK_S=4, BLOCK_D=64, BLOCK_B=8,
      SHARED=True)),
     ("kv_cache", "_append_kv_kernel", dict(ROPE=True, BLOCK_ROWS=16, BLOCK_D=64)),
@@ -175,7 +181,7 @@ def test_dependent_kernels_wait_before_touching_memory():
     run = subprocess.run([sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.split("\n")[:-1]
-    assert len(lines) == 12 and all(line.endswith(" True True") for line in lines), run.stdout
+    assert len(lines) == 13 and all(line.endswith(" True True") for line in lines), run.stdout
 
 
 def test_no_dependent_launch_off_a_gpu_or_while_traced():
