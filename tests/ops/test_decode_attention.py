@@ -276,6 +276,26 @@ def test_append_outside_the_cache_writes_nothing(device):
     assert torch.equal(v[1, :, 0], v_new[1, :, 1])
 
 
+def test_append_tables_of_different_strides(device):
+    """cos expanded from one row to the batch (stride 0), sin a contiguous [B, Tq, D] of the same rows: each
+    read at its own strides (the kernel reads both at one set: the launcher makes them agree)."""
+    q, k, v, k_new, v_new, cos, sin, seqlens = _append_case(2, 2, 1, [33, 9], "bhsd", "shared", device)
+    cos, sin = cos.expand(2, -1, -1), sin.expand(2, -1, -1).contiguous()
+    want, k_want, _, _ = _append_and_attend_reference(q, k, v, seqlens, k_new, v_new, cos, sin, "bhsd")
+    out = ops.decode_attention(q, k, v, seqlens, num_splits=2, k_new=k_new, v_new=v_new, cos=cos, sin=sin)
+    assert_close(out, want, torch.float32)
+    assert_close(k, k_want, torch.float32, "k_cache")
+
+
+def test_append_with_no_sequence_advances_the_count(device):
+    """An empty batch stores nothing and attends nothing; the count still advances by Tq (the reference's)."""
+    q, k, v, k_new, v_new, _, _, _ = _append_case(1, 2, 2, [9], "bhsd", None, device)
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    out = ops.decode_attention(q[:0], k[:0], v[:0], torch.zeros(0, dtype=torch.int32, device=device),
+                               k_new=k_new[:0], v_new=v_new[:0], cache_length=count)
+    assert out.shape == q[:0].shape and count.item() == 2
+
+
 def test_append_reference_path_matches_the_kernels(device):
     """Without the kernels (reference mode), the append and the output are the same."""
     from onepass.ops.dispatch import reference_mode
@@ -330,6 +350,8 @@ def _append_call(**kw):
     (_append_call(cos=torch.zeros(1, 16), sin=torch.zeros(2, 1, 16)), ValueError, "one shape"),
     (_append_call(cache_length=torch.zeros(2, dtype=torch.int64)), TypeError, "one-element"),
     (_append_call(cache_length=torch.zeros(1)), TypeError, "int32 or int64"),
+    (lambda q, k, v, s: _append_call(cache_length=s[:1])(q, k, v, s), ValueError, "share memory"),
+    (lambda q, k, v, s: ops.decode_attention(q[:, :0], k, v, s), ValueError, "positive multiple"),
     (lambda q, k, v, s: _append_call()(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, s), ValueError,
      "unit last stride"),
 ])

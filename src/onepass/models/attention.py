@@ -53,7 +53,8 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     and value are the whole static cache, indexed by position, each row valid up to its
     length) runs ``decode_attention``, with the layer's sliding window; given ``decode_append`` (the
     step's new keys and values, with the rotary tables when q and k are still to be rotated: onepass's
-    rotary attention hands them), the cache append and RoPE run in that launch too. A padding mask,
+    rotary attention hands them), the cache append and RoPE run in that launch too (on the paths
+    below, in ``kv_cache.append_to_cache`` first). A padding mask,
     attention dropout or another decode step (fewer queries than keys) goes to PyTorch's
     SDPA, or to the eager path when softcap is set, with the causal and sliding-window mask
     spelled out where HF handed none. ``output_attentions`` takes the eager path too: the

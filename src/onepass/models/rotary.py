@@ -76,7 +76,8 @@ def rotary_attention_forward(rope: Callable, parts: AttentionParts) -> Callable:
     (a decode step's few rows: ``decode_linear``, launched as a programmatic dependent). In a
     decode step of ``onepass.Decoder`` k and v go to the static cache in decode attention's
     launch, which also applies RoPE to q and k (attn_implementation "onepass": ``decode_append``),
-    or else in one launch of their own that does (``kv_cache.append_to_cache``): rope runs no launch."""
+    or else in one launch of their own that does (``kv_cache.append_to_cache``): rope runs no launch
+    of its own where the tables cover the whole head in the rotate-half style."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from onepass.models.attention import eager_attention
@@ -138,8 +139,9 @@ def sliding_window_of(attn: nn.Module) -> int | None:
 
 def _static_layer(cache, layer_idx: int, k: Tensor, v: Tensor):
     """In a decode step of ``onepass.Decoder``: the transformers ``StaticLayer`` that takes k
-    [B, T, Hk, D] and v [B, Hk, T, D] in one launch (``kv_cache.append_to_cache``, instead of
-    ``cache.update``'s five kernels), or None if the cache's layer is not one ready for them."""
+    [B, T, Hk, D] and v [B, Hk, T, D] in decode attention's launch or one of their own
+    (``kv_cache.append_to_cache``), instead of ``cache.update``'s five kernels, or None if the
+    cache's layer is not one ready for them."""
     from transformers.cache_utils import StaticLayer
 
     layer = cache.layers[layer_idx]
@@ -154,7 +156,8 @@ def _static_layer(cache, layer_idx: int, k: Tensor, v: Tensor):
 
 def _whole_head_tables(cos: Tensor, sin: Tensor, k: Tensor) -> bool:
     """Whether HF's rotary tables for k [B, T, Hk, D] are [B or 1, T, D] over the whole head
-    (no partial rotary) with unit last strides: what ``append_to_cache`` applies itself."""
+    (no partial rotary) with unit last strides: what decode attention's append and ``append_to_cache``
+    apply themselves."""
     batch, n_new, _, head_dim = k.shape
     return (cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1:] == (n_new, head_dim)
             and cos.shape[0] in (1, batch) and cos.stride() == sin.stride() and cos.stride(-1) == 1

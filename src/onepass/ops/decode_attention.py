@@ -285,10 +285,14 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     # the append's tensors; absent, placeholders the kernel never reads or writes
     append, rope, count = k_new is not None, cos is not None, cache_length is not None
     knv, vnv = (_bhsd(k_new, layout), _bhsd(v_new, layout)) if append else (qv, qv)
+    if rope and cos.stride() != sin.stride():  # the kernel reads both tables at one set of strides
+        cos, sin = cos.contiguous(), sin.contiguous()
     (cos, cos_sb, cos_st), (sin, _, _) = (_tables(cos), _tables(sin)) if rope else ((qv, 0, 0), (qv, 0, 0))
     batch, heads, n_tokens, head_dim = qv.shape
     kv_heads, cache_len = kv.shape[1], kv.shape[2]
-    if q.numel() == 0:
+    if q.numel() == 0:  # no sequence or no new token: nothing to attend or store, the count advanced all the same
+        if count:
+            cache_length.add_(n_tokens)
         return out
     group = heads // kv_heads
     visible = min(cache_len, window + n_tokens - 1) if window else cache_len  # keys one sequence's tokens see
@@ -382,8 +386,9 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_split
         raise ValueError(f"q {tuple(q.shape)} and the caches {tuple(k_cache.shape)} must agree on batch and head dim")
     if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {q.shape[-1]}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"the number of q heads ({heads}) must be a multiple of the number of kv heads ({kv_heads})")
+    if kv_heads == 0 or heads == 0 or heads % kv_heads:
+        raise ValueError(f"the number of q heads ({heads}) must be a positive multiple of the number of kv heads "
+                         f"({kv_heads})")
     if heads // kv_heads * n_tokens > MAX_ROWS:
         raise ValueError(f"q heads per kv head x new tokens must be at most {MAX_ROWS}, got "
                          f"{heads // kv_heads} x {n_tokens}: use attention() for prefill")
@@ -402,7 +407,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_split
                          "tensors that do not require grad; use attention() for training")
 
 
-def _check_append(q, k_cache, v_cache, layout, k_new, v_new, cos, sin, cache_length):
+def _check_append(q, k_cache, v_cache, cache_seqlens, layout, k_new, v_new, cos, sin, cache_length):
     if k_new is None or v_new is None:
         if k_new is not None or v_new is not None or cos is not None or sin is not None or cache_length is not None:
             raise ValueError("k_new and v_new come together; cos, sin and cache_length need them (the append)")
@@ -435,9 +440,16 @@ def _check_append(q, k_cache, v_cache, layout, k_new, v_new, cos, sin, cache_len
             raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
         if head_dim % 2:
             raise ValueError(f"rotate-half RoPE needs an even head dim, got {head_dim}")
-    if cache_length is not None and (not isinstance(cache_length, Tensor) or cache_length.numel() != 1
-                                     or cache_length.dtype not in (torch.int32, torch.int64)):
-        raise TypeError("cache_length must be a one-element int32 or int64 torch.Tensor (a count of cached tokens)")
+    if cache_length is not None:
+        if (not isinstance(cache_length, Tensor) or cache_length.numel() != 1
+                or cache_length.dtype not in (torch.int32, torch.int64)):
+            raise TypeError("cache_length must be a one-element int32 or int64 torch.Tensor (a count of cached "
+                            "tokens)")
+        if not torch.compiler.is_compiling() and any(  # (dynamo traces no storage address)
+                cache_length.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                for t in (cache_seqlens, k_cache, v_cache)):
+            raise ValueError("cache_length must not share memory with cache_seqlens or the caches (the kernel "
+                             "advances it while it reads them)")
     check_same_device(q=q, k_new=k_new, v_new=v_new, cos=cos, sin=sin, cache_length=cache_length)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k_new, v_new, cos, sin)):
         raise ValueError("decode_attention is inference only (no autograd): call it under torch.no_grad()")
@@ -460,16 +472,18 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     shared by positions, B * num_splits chunks a kv head, more for the long sequences).
 
     Appending in the same launch (a decode step's cache update, as FlashAttention's
-    ``flash_attn_with_kvcache``): ``k_new``, ``v_new`` (q's shape with Hk heads, the caches'
-    dtype) are the new tokens' keys and values, written into k_cache and v_cache in place at
-    each sequence's last Tq positions (``cache_seqlens[b] - Tq`` on; positions outside the cache
-    are not written) before they are attended. With the rotary tables ``cos``, ``sin`` ([B or 1,
-    Tq, D] or [Tq, D]: HF's, rotate-half over the whole head), q and the new keys are rotated
-    first (the keys stored rotated; q itself is not written). ``cache_length``, a one-element
-    integer tensor (transformers' ``StaticLayer.cumulative_length``), is advanced by Tq.
+    ``flash_attn_with_kvcache`` does, whose ``cache_seqlens`` though counts the cache before the
+    new tokens): ``k_new``, ``v_new`` (q's shape with Hk heads, the caches' dtype) are the new
+    tokens' keys and values, written into k_cache and v_cache in place at each sequence's last Tq
+    positions (``cache_seqlens[b] - Tq`` on; positions outside the cache are not written) before
+    they are attended. With the rotary tables ``cos``, ``sin`` ([B or 1, Tq, D] or [Tq, D]: HF's,
+    rotate-half over the whole head), q and the new keys are rotated first (the keys stored
+    rotated; q itself is not written). ``cache_length``, a one-element integer tensor
+    (transformers' ``StaticLayer.cumulative_length``), is advanced by Tq; it places nothing (the
+    positions come from ``cache_seqlens``).
     """
     _check(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, num_splits, window)
-    _check_append(q, k_cache, v_cache, layout, k_new, v_new, cos, sin, cache_length)
+    _check_append(q, k_cache, v_cache, cache_seqlens, layout, k_new, v_new, cos, sin, cache_length)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_triton(q):
         if k_new is not None:
