@@ -82,10 +82,11 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out = ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
                             scale=scaling, window=sliding_window, softcap=softcap, layout="bshd")
         return out, None
-    if attention_mask is None and (causal or sliding_window is not None):
+    if attention_mask is None and (causal or sliding_window is not None or cache_seqlens is not None):
         # no mask from HF (it skipped one SDPA's is_causal covers) or from onepass_mask (the
         # kernel masks itself): the fallbacks get the mask spelled out, the window included
-        attention_mask, is_causal = _visible(query, key, causal and query.shape[2] > 1, sliding_window), False
+        attention_mask = _visible(query, key, causal and query.shape[2] > 1, sliding_window, cache_seqlens)
+        is_causal = False
     if softcap is not None or weights:
         return eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 softcap=softcap)
@@ -93,17 +94,22 @@ def onepass_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                   is_causal=is_causal, **kwargs)
 
 
-def _visible(query: Tensor, key: Tensor, causal: bool, sliding_window: int | None) -> Tensor:
+def _visible(query: Tensor, key: Tensor, causal: bool, sliding_window: int | None,
+             cache_seqlens: Tensor | None = None) -> Tensor:
     """Boolean [1, 1, q, kv] mask (True: attend) of what HF leaves to SDPA's is_causal when it hands
     no mask (query i sees keys up to i; the caller passes ``causal`` False for one query,
     which sees every key, as HF's SDPA call does), and a sliding window of the query and the
-    ``sliding_window - 1`` keys before it."""
+    ``sliding_window - 1`` keys before it. With ``cache_seqlens`` (a decode step over a static
+    cache, whose keys past each row's length are empty slots): [B, 1, q, kv], row b's query t at
+    position ``cache_seqlens[b] - q + t``, seeing no key after it."""
     i = torch.arange(query.shape[2], device=query.device)[:, None]
     j = torch.arange(key.shape[2], device=query.device)[None, :]
+    if cache_seqlens is not None:
+        i, causal = cache_seqlens.long()[:, None, None, None] - query.shape[2] + i, True
     ok = j <= i if causal else torch.ones_like(j, dtype=torch.bool)
     if sliding_window is not None:
         ok = ok & (j > i - sliding_window)
-    return ok.expand(1, 1, query.shape[2], key.shape[2])  # [batch, heads, q, kv], as HF's masks
+    return ok.expand(i.shape[0] if i.dim() == 4 else 1, 1, query.shape[2], key.shape[2])  # [batch, heads, q, kv]
 
 
 def onepass_mask(*args, q_length, kv_length, local_size=None, attention_mask=None, allow_is_causal_skip=True,
