@@ -13,7 +13,9 @@ Given the rotary tables, the same launch also applies RoPE (rotate-half, HF's
 ``apply_rotary_pos_emb`` on the whole head): that program to k before storing it, and more
 programs of the grid, which need no length, to blocks of q's rows, into a new tensor (one
 program for all of q made the decode step slower than rope apart; spread, faster: the A/B is in
-CHANGELOG.md). The decode step's rope launch is thus folded into the append's. Per row of x and each dim i < D, with
+CHANGELOG.md). The decode step's rope launch is thus folded into the append's. (Under attn_implementation
+"onepass" a decode step's append runs in decode attention's own launch instead: ``decode_attention``'s
+``k_new``; this launch serves other attention functions and that one's fallbacks.) Per row of x and each dim i < D, with
 the partner x[(i + D/2) mod D] and the table entries at i:
 
     out[i] = x[i] * cos[i] - partner * sin[i]     (i < D/2)
