@@ -178,6 +178,7 @@ def test_strided_cache_seqlens(device):
     (lambda q, k, v, s: ops.decode_attention(q, k.half(), v, s), TypeError, "dtype"),
     (lambda q, k, v, s: ops.decode_attention(q, torch.cat([k, k], 1), torch.cat([v, v], 1), s), ValueError,
      "multiple"),
+    (lambda q, k, v, s: ops.decode_attention(q[:, :0], k, v, s), ValueError, "positive multiple"),
     (lambda q, k, v, s: ops.decode_attention(q, k, v[:, :, :5], s), ValueError, "k_cache and v_cache"),
     (lambda q, k, v, s: ops.decode_attention(q[0], k, v, s), ValueError, "4-D"),
     (lambda q, k, v, s: ops.decode_attention(q, k, v, s.long()), TypeError, "cache_seqlens must be an int32.*int64"),
@@ -351,7 +352,6 @@ def _append_call(**kw):
     (_append_call(cache_length=torch.zeros(2, dtype=torch.int64)), TypeError, "one-element"),
     (_append_call(cache_length=torch.zeros(1)), TypeError, "int32 or int64"),
     (lambda q, k, v, s: _append_call(cache_length=s[:1])(q, k, v, s), ValueError, "share memory"),
-    (lambda q, k, v, s: ops.decode_attention(q[:, :0], k, v, s), ValueError, "positive multiple"),
     (lambda q, k, v, s: _append_call()(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, s), ValueError,
      "unit last stride"),
 ])

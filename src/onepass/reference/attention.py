@@ -16,6 +16,7 @@ import math
 import torch
 
 from onepass.reference._dtype import compute_dtype
+from onepass.reference.rope import rope
 
 
 def window_bounds(causal: bool, window) -> tuple[int, int]:
@@ -107,8 +108,6 @@ def decode_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cos=None, si
     in place at each sequence's last Tq positions (``cache_seqlens[b] - Tq`` on, those inside the
     cache), rotated first by the tables if given (rotate-half, whole head), and ``cache_length``
     advanced by Tq; returns q, rotated by the tables if given."""
-    from onepass.reference.rope import rope
-
     if layout == "bshd":
         q, k_cache, v_cache, k_new, v_new = (t.transpose(1, 2) for t in (q, k_cache, v_cache, k_new, v_new))
     if cos is not None:
