@@ -35,6 +35,10 @@ which ``ONEPASS_PDL=0`` sets), a step being N replays of the captured step from 
 end (the Decoder's position reset before each run), by ``do_bench``; prints each round's
 minimum, then each setting's best minimum and median against the floor.
 
+``--launch-costs`` measures instead what one persistent kernel a layer would save: a phase boundary
+as a kernel launch (empty kernels in a graph, as programmatic dependents and plain) against a
+grid-wide barrier in one launch (``launch_costs``), at one and two programs an SM.
+
 Kernels of a CUDA graph replay are traced by CUPTI when the profiler has run once before
 the capture (done first). Where the trace shows fewer kernels a step than layers anyway, the
 step is profiled eagerly (``Decoder(cuda_graph=False)``, same kernels), which the output says.
@@ -62,7 +66,7 @@ from onepass.bench.generate import step_bytes, step_floor_ms
 from onepass.bench.harness import environment, measure_ceilings
 from onepass.models.configs import CONFIGS, build
 from onepass.ops import dispatch
-from onepass.ops.dispatch import wait_for_previous_kernel
+from onepass.ops.dispatch import launch_next_kernel, wait_for_previous_kernel
 
 CATEGORIES = [  # first match wins (kernel names lower-cased)
     ("linear", r"decode_linear|gemv|gemm|nvjet|cutlass|xmma|splitk|cublas"),
@@ -122,6 +126,95 @@ def dependent_launch_floor_us(kernels: int) -> float:
         for _ in range(kernels):
             dispatch.launch(_increment_kernel, (1,), x, PDL=pdl)
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+@triton.jit
+def _grid_barrier_kernel(count_ptr, slots_ptr, errors_ptr, n_barriers, n_programs, SPIN_LOAD: tl.constexpr):
+    """``n_barriers`` grid-wide barriers in one launch of ``n_programs`` resident programs, as one
+    persistent kernel a layer would separate its phases (q/k/v, attention, o, gate/up, down). Each
+    round a program stores the round into its slot, arrives (release), waits until every program has
+    (acquire), then reads its neighbour's slot: a stale value counts an error. Two slots a program, by
+    round parity, so a program already in the next round cannot overwrite a slot still to be read.
+    ``SPIN_LOAD``: wait on volatile loads of the count, then one acquiring atomic (else atomics only).
+    A wait gives up after 2**22 polls (an error, never a hang)."""
+    pid = tl.program_id(0)
+    errors = 0
+    for i in range(n_barriers):
+        slot = (i % 2) * n_programs
+        tl.store(slots_ptr + slot + pid, i)
+        tl.atomic_add(count_ptr, 1, sem="release")
+        target = (i + 1) * n_programs
+        polls = 0
+        if SPIN_LOAD:
+            seen = tl.load(count_ptr, volatile=True)
+            while (seen < target) & (polls < 4194304):
+                seen = tl.load(count_ptr, volatile=True)
+                polls += 1
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+        else:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            while (seen < target) & (polls < 4194304):
+                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+                polls += 1
+        stale = tl.load(slots_ptr + slot + (pid + 1) % n_programs) != i
+        errors += (stale | (seen < target)).to(tl.int32)
+    tl.store(errors_ptr + pid, errors)
+
+
+@triton.jit
+def _phase_kernel(slots_ptr, errors_ptr, phase, n_programs, PDL: tl.constexpr):
+    """One phase of a chain of launches, doing what a barrier's round does: each program reads its
+    neighbour's slot as the launch before stored it (a stale value counts an error), then stores
+    the phase into its own."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    if phase > 0:
+        seen = tl.load(slots_ptr + ((phase - 1) % 2) * n_programs + (pid + 1) % n_programs)
+        tl.store(errors_ptr + pid, tl.load(errors_ptr + pid) + (seen != phase - 1).to(tl.int32))
+    tl.store(slots_ptr + (phase % 2) * n_programs + pid, phase)
+    launch_next_kernel(PDL)
+
+
+def launch_costs(programs: int, rounds: int = 512, log=print) -> dict:
+    """What separating two phases of a decode layer costs, a phase each: a kernel boundary (a chain of
+    ``rounds`` launches of ``programs`` programs in one graph, as programmatic dependents as onepass's
+    decode kernels launch, and plain) against a grid-wide barrier inside one persistent kernel of as
+    many programs (``rounds`` barriers; the count zeroed in the graph before it). Each phase stores a
+    value a program and reads its neighbour's from the phase before, as a layer's phases hand on
+    their outputs. Each the slope between ``rounds`` phases and one, so the graph's own launch cancels."""
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    slots = torch.full((2 * programs,), -1, dtype=torch.int32, device="cuda")
+    errors = torch.zeros(programs, dtype=torch.int32, device="cuda")
+    pdl = dispatch.dependent_launch(slots)
+
+    def chain(n, dependent):
+        return lambda: [dispatch.launch(_phase_kernel, (programs,), slots, errors, i, programs, PDL=dependent)
+                        for i in range(n)]
+
+    def barriers(n, spin_load):
+        def record():
+            count.zero_()
+            dispatch.launch(_grid_barrier_kernel, (programs,), count, slots, errors, n, programs,
+                            SPIN_LOAD=spin_load, num_warps=1)
+        return record
+
+    def graph_us(record):
+        record()  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            record()
+        return do_bench(graph.replay, warmup=25, rep=300, return_mode="median") * 1e3
+
+    us, stale = {}, {}
+    for name, make in (("dependent launches", lambda n: chain(n, pdl)), ("plain launches", lambda n: chain(n, False)),
+                       ("grid barriers, spin on atomics", lambda n: barriers(n, False)),
+                       ("grid barriers, spin on loads", lambda n: barriers(n, True))):
+        errors.zero_()
+        us[name] = (graph_us(make(rounds)) - graph_us(make(1))) / (rounds - 1)
+        stale[name] = int(errors.sum())
+        log(f"{programs} programs, {name}: {us[name]:.2f} us a phase ({stale[name]} stale reads or timed-out waits)")
+    return {"programs": programs, "rounds": rounds, "us": us, "errors": stale}
 
 
 def layer_linear_groups(model) -> list[tuple[str, int]]:
@@ -330,10 +423,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed and profiled")
     parser.add_argument("--pdl-rounds", type=int, default=0,
                         help="instead of the breakdown: this many rounds of the step with PDL off and on")
+    parser.add_argument("--launch-costs", action="store_true",
+                        help="instead of the breakdown: a phase boundary as a launch against a grid barrier")
     parser.add_argument("--out", help="JSON file for the results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_breakdown needs a CUDA GPU")
+    if args.launch_costs:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
+        summary = {"launch_costs": [launch_costs(p) for p in (sms, 2 * sms)]}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+        return summary
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
         pass  # CUPTI up before any capture, so that graph replays' kernels are traced
     ceilings = measure_ceilings()
