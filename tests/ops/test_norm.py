@@ -145,10 +145,22 @@ def test_without_weight_and_bias(kind, device):
     _check_against_reference(kind, x, res, None, None, torch.float32)
 
 
+# x and the residual as views the launchers read in place or copy: a transposed 2-D x with every other column of
+# a wider residual; 3-D, a slice of wider rows (rows evenly spaced, read in place) with leading dims swapped (copied)
+VIEWS = {
+    "2-d": (lambda device: torch.randn(40, 6, device=device).t(),
+            lambda device: torch.randn(6, 80, device=device)[:, ::2]),
+    "3-d": (lambda device: torch.randn(2, 3, 50, device=device)[..., :40],
+            lambda device: torch.randn(3, 2, 40, device=device).transpose(0, 1)),
+}
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_non_contiguous_input(kind, device):
-    x = torch.randn(40, 6, device=device).t()  # [6, 40], stride (1, 6)
-    res = torch.randn(6, 80, device=device)[:, ::2] if kind.startswith("add") else None
+@pytest.mark.parametrize("view", VIEWS)
+def test_non_contiguous_input(kind, view, device):
+    make_x, make_res = VIEWS[view]
+    x = make_x(device)
+    res = make_res(device) if kind.startswith("add") else None
     w = torch.randn(80, device=device)[::2]
     b = torch.randn(40, device=device) if kind.endswith("layer") else None
     _check_against_reference(kind, x, res, w, b, torch.float32)

@@ -35,7 +35,6 @@ from torch import Tensor
 
 from onepass import reference
 from onepass.ops.dispatch import (
-    as_rows,
     cdiv,
     check_float,
     check_same_device,
@@ -48,6 +47,7 @@ from onepass.ops.dispatch import (
     num_programs_for,
     registered_outputs,
     route,
+    rows_of,
     triton_op,
     use_triton,
 )
@@ -196,9 +196,14 @@ def _grid(m, n, tile):
     return (cdiv(m, tile[0]) * cdiv(n, tile[1]),)
 
 
-def _rows(t: Tensor, has_bias: bool) -> Tensor:
-    """The [rows, cols] view a kernel walks: one long row where no bias needs the columns."""
-    return as_rows(t) if has_bias else t.contiguous().view(1, -1)
+def _rows(t: Tensor, has_bias: bool) -> tuple[Tensor, int, int, int]:
+    """(the tensor a kernel walks, its rows, columns, row stride): with a bias, rows of the last dim (the bias's
+    columns); without, the whole tensor as one long row (made contiguous, no view: the kernel reads the pointer)."""
+    if has_bias:
+        rows, m, stride = rows_of(t)
+        return rows, m, t.shape[-1], stride
+    t = t if t.is_contiguous() else t.contiguous()
+    return t, 1, t.numel(), t.numel()
 
 
 def _flat_fwd_tile(x: Tensor) -> tuple[int, int, int]:
@@ -210,14 +215,13 @@ def _act_fwd_launch(x: Tensor, up: Optional[Tensor], bias: Optional[Tensor], act
     y = empty_output(x)
     if x.numel() == 0:
         return y
-    x2 = _rows(x, bias is not None)
-    u2 = _rows(up, False) if up is not None else x2
-    m, n = x2.shape
+    x2, m, n, x_stride = _rows(x, bias is not None)
+    u2, _, _, u_stride = _rows(up, False) if up is not None else (x2, m, n, x_stride)
     bias = bias.contiguous() if bias is not None else None
     tile = TILE_BIAS if bias is not None else _flat_fwd_tile(x)
     block_m, block_n, num_warps = tile
     launch(_act_fwd_kernel, _grid(m, n, tile),
-        x2, u2, bias if bias is not None else x2, y, m, n, x2.stride(0), u2.stride(0),
+        x2, u2, bias if bias is not None else x2, y, m, n, x_stride, u_stride,
         ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
     )
@@ -231,8 +235,7 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
     du = empty_output(x, up.dtype) if up is not None else None
     y = empty_output(x) if write_y else None
     block_m, block_n, num_warps = TILE_BIAS_BWD if bias is not None else TILE_FLAT
-    x2 = _rows(x, bias is not None)
-    m, n = x2.shape
+    x2, m, n, x_stride = _rows(x, bias is not None)
     col_tiles, row_tiles = cdiv(n, block_n), cdiv(m, block_m)
     # with a bias, enough row groups to fill the device; each owns one partial row of db
     groups = 1
@@ -243,12 +246,12 @@ def _act_bwd_launch(dy: Tensor, x: Tensor, up: Optional[Tensor], bias: Optional[
     db_part = torch.empty((groups if bias is not None else 0, n), dtype=torch.float32, device=x.device)
     if x.numel():
         bias = bias.contiguous() if bias is not None else None
-        dy2 = _rows(dy, bias is not None)
-        u2 = _rows(up, False) if up is not None else x2
+        dy2, _, _, dy_stride = _rows(dy, bias is not None)
+        u2, _, _, u_stride = _rows(up, False) if up is not None else (x2, m, n, x_stride)
         launch(_act_bwd_kernel, (col_tiles, groups),
             dy2, x2, u2, bias if bias is not None else x2, dx, du if up is not None else dy2,
             y if write_y else dy2, db_part,  # (placeholders are inputs: see dispatch.triton_op)
-            m, n, tiles_per_program, dy2.stride(0), x2.stride(0), u2.stride(0),
+            m, n, tiles_per_program, dy_stride, x_stride, u_stride,
             ACT=act, GATED=up is not None, HAS_BIAS=bias is not None, WRITE_Y=write_y, BLOCK_M=block_m,
             BLOCK_N=block_n, num_warps=num_warps,
         )

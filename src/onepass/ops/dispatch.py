@@ -214,6 +214,19 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
 
 
+def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(``x`` as a kernel reads it, its number of rows of the last dim, the stride between them), for launchers
+    that pass only the pointer: ``x`` itself where its rows lie evenly with unit stride (2-D, or contiguous), with
+    no [rows, last dim] view (each costs host time); else ``as_rows(x)``."""
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x, x.shape[0], x.stride(0)
+    if x.dim() and x.is_contiguous():
+        n = x.shape[-1]
+        return x, (x.numel() // n if n else math.prod(x.shape[:-1])), n
+    rows = as_rows(x)
+    return rows, rows.shape[0], rows.stride(0)
+
+
 def flat(x: torch.Tensor) -> torch.Tensor:
     """A contiguous 1-D view of ``x`` (copies only a non-contiguous input)."""
     return x.contiguous().view(-1)

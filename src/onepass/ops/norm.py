@@ -49,7 +49,6 @@ from torch import Tensor
 from onepass import reference
 from onepass.ops.dispatch import (
     MAX_ROW_BLOCK,
-    as_rows,
     cached_plan,
     cdiv,
     check_dtype_option,
@@ -69,6 +68,7 @@ from onepass.ops.dispatch import (
     registered_outputs,
     route,
     row_settings,
+    rows_of,
     triton_op,
     use_triton,
     wait_for_previous_kernel,
@@ -432,8 +432,7 @@ def _norm_bwd_kernel(
 
 def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is_rms, out_dtype):
     n = x.shape[-1]
-    x2 = as_rows(x)
-    m = x2.shape[0]
+    x2, m, x_stride = rows_of(x)
     # New outputs are contiguous: their rows lie n apart whatever x's dims (no [m, n] view: each costs host time)
     y = empty_output(x, out_dtype)
     h = empty_output(x, residual.dtype) if residual is not None else None
@@ -441,14 +440,14 @@ def _norm_fwd_launch(x, residual, weight, bias, eps, offset, dropout_p, seed, is
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y, h, mean, rstd
-    res2 = as_rows(residual) if residual is not None else x2
+    res2, _, res_stride = rows_of(residual) if residual is not None else (x2, m, x_stride)
     sms = num_programs_for(x2.device)
     block, num_warps, rows = fwd_settings(n, m, is_rms, residual is not None, sms)
     # an absent tensor's placeholder is an input (see dispatch.triton_op)
     launch(_norm_fwd_kernel, (cdiv(m, rows),),
         x2, res2, weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
         y, h if h is not None else x2, mean if mean is not None else x2, rstd,
-        m, x2.stride(0), res2.stride(0), n, n, n, eps, offset, dropout_p, seed,
+        m, x_stride, res_stride, n, n, n, eps, offset, dropout_p, seed,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DROPOUT=dropout_p > 0,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block, ONE_BLOCK=n <= block, ROWS=rows,
         N_COLS=fwd_constant_width(n, block),
@@ -483,10 +482,9 @@ def _bwd_plan(n_rows: int, n_cols: int, sms: int) -> tuple[int, int, int, int, i
 def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, dropout_p, seed, is_rms, x_dtype,
                      has_residual, leaves):
     n = h.shape[-1]
-    h2 = as_rows(h)
-    m = h2.shape[0]
-    dy2 = as_rows(dy)
-    dh_out2 = as_rows(dh_out) if dh_out is not None else dy2
+    h2, m, h_stride = rows_of(h)
+    dy2, _, dy_stride = rows_of(dy)
+    dh_out2, _, dh_out_stride = rows_of(dh_out) if dh_out is not None else (dy2, m, dy_stride)
     # d(residual) in the stream's dtype; dx is written separately only when it differs
     # from it (dropout, or x in another dtype than the residual stream). Both contiguous: rows n apart.
     dres = empty_output(h)
@@ -502,14 +500,14 @@ def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, drop
         sums = None
         if col_blocks > 1:
             sums = torch.empty(m, 2, dtype=torch.float32, device=h.device)
-            launch(_norm_bwd_sums_kernel, (sum_programs,), dy2, h2, w_arg, mean_arg, rstd, sums, dy2.stride(0),
-                   h2.stride(0), m, n, cdiv(m, sum_programs), offset, IS_RMS=is_rms, HAS_WEIGHT=weight is not None,
+            launch(_norm_bwd_sums_kernel, (sum_programs,), dy2, h2, w_arg, mean_arg, rstd, sums, dy_stride,
+                   h_stride, m, n, cdiv(m, sum_programs), offset, IS_RMS=is_rms, HAS_WEIGHT=weight is not None,
                    BLOCK_N=block, num_warps=num_warps)
         launch(_norm_bwd_kernel, (programs, col_blocks),
             dy2, dh_out2, h2, w_arg, mean_arg, rstd, sums if sums is not None else rstd, dres,
             dx if write_dx else dy2,  # (placeholder: an input)
             dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
-            dy2.stride(0), dh_out2.stride(0), h2.stride(0), n, n,
+            dy_stride, dh_out_stride, h_stride, n, n,
             m, n, cdiv(m, programs), offset, dropout_p, seed,
             IS_RMS=is_rms, HAS_DH_OUT=dh_out is not None, HAS_DROPOUT=dropout_p > 0, WRITE_DX=write_dx,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias_dtype is not None, BLOCK_N=block,
