@@ -344,16 +344,18 @@ def _head_major_tiles(seq: int, block_tokens: int) -> tuple[int, int]:
     return cdiv(cdiv(seq, n_tiles), block_tokens), n_tiles
 
 
-def _flat(d: int, rot: int, interleaved: bool, pos: Optional[Tensor], cos: Tensor, seq: int, inplace: bool) -> bool:
-    """Whether the head-major order runs as flat runs (_rope_flat_kernel): a head dim that is no power of
-    two, rotated whole in the half style, the tables' rows as long as a head's and read in token order (no
-    position ids), out of place (a program's threads read values others write: in place would race), and
-    the values a head's blocks span, the grid's spare blocks past the sequence included, fit int32 offsets."""
+def _flat(d: int, rot: int, interleaved: bool, pos: Optional[Tensor], cos: Tensor, seq: int, inplace: bool
+          ) -> tuple[int, int] | None:
+    """The flat grid's (blocks a tile, tiles) where the head-major order runs as flat runs (_rope_flat_kernel),
+    else None: a head dim that is no power of two, rotated whole in the half style, the tables' rows as long as a
+    head's and read in token order (no position ids), out of place (a program's threads read values others write:
+    in place would race), and the values a head's blocks span, the grid's spare blocks past the sequence
+    included, fit int32 offsets."""
     if not (d & (d - 1) != 0 and rot == d and not interleaved and pos is None and cos.stride(-2) == d
             and not inplace):
-        return False
+        return None
     tile_blocks, n_tiles = _head_major_tiles(seq, FLAT_BLOCK // d)
-    return n_tiles * tile_blocks * (FLAT_BLOCK // d) * d < 2**31
+    return (tile_blocks, n_tiles) if n_tiles * tile_blocks * (FLAT_BLOCK // d) * d < 2**31 else None
 
 
 def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_out, k_out):
@@ -369,8 +371,9 @@ def _rope_launch(q, k, cos, sin, position_ids, layout, interleaved, backward, q_
     n_blocks = q_blocks + cdiv(hk, block_h)
     block_t, num_warps = ((HEAD_MAJOR_TOKENS, HEAD_MAJOR_WARPS) if _head_major((q, k, q_out, k_out), layout, s)
                           else (1, NUM_WARPS))
-    if block_t > 1 and _flat(d, rot, interleaved, pos, cos, s, q_out is q):
-        tile_blocks, n_tiles = _head_major_tiles(s, FLAT_BLOCK // d)
+    flat = _flat(d, rot, interleaved, pos, cos, s, q_out is q) if block_t > 1 else None
+    if flat:
+        tile_blocks, n_tiles = flat
         launch(_rope_flat_kernel, (tile_blocks, hq + hk, b * n_tiles),
                q, k, q_out, k_out, cos, sin, s, hq, tile_blocks, n_tiles,
                *(v for x in (q, k, q_out, k_out) for v in (x.stride(0), _bsh_strides(x, layout)[2])),
