@@ -132,10 +132,11 @@ def fwd_constant_width(n_cols, block: int) -> int:
 
 def bwd_programs_per_sm(block: int) -> int:
     """Backward programs per SM: each owns a run of rows (of one column block) and keeps its fp32
-    share of dw/db. Blocks of at most 2048 values take twice as many, to keep as many bytes in flight
-    (benchmarks/tune_rowwise.py norm, results/h200/tune_norm_bwd.log); one block wider than
-    WIDE_ROW (bwd_one_wide_block) fills an SM alone."""
-    return 4 if block <= 2048 else 2 if block <= WIDE_ROW else 1
+    share of dw/db. The narrower the block, the more programs, to keep as many bytes in flight: blocks
+    of at most 1024 values (rows of up to 1024 features) 8, of 2048 4 (benchmarks/tune_rowwise.py norm
+    and narrow-bwd, results/h200/tune_norm_bwd.log); one block wider than WIDE_ROW
+    (bwd_one_wide_block) fills an SM alone."""
+    return 8 if block <= 1024 else 4 if block <= 2048 else 2 if block <= WIDE_ROW else 1
 
 
 def bwd_one_wide_block(n_cols: int) -> bool:
