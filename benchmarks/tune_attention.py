@@ -4,7 +4,10 @@
 
 For each preset: SDPA (flash, cuDNN) and onepass, forward and forward+backward, TFLOP/s (fwd+bwd
 counted as 3.5x the forward's FLOPs); then each forward, dK/dV and dQ setting in turn (the others at
-their defaults) with the time of the kernel it changes. ops/attention.py's CONFIGS cite the result.
+their defaults) with the time of the kernel it changes. dK/dV run as one pass ("dkdv") or two ("dv" then
+"dk", see attention.dkdv_kernels): a "dkdv" setting times one pass, a "dv" or "dk" setting both passes
+(the other at its default, or at its first candidate where the head dim has none). ops/attention.py's
+CONFIGS cite the result.
 """
 
 import sys
@@ -38,19 +41,24 @@ SETTINGS = {
                 (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4), (128, 128, 16, 2)],
         "dkdv": [(32, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
                  (32, 128, 4, 3), (16, 128, 8, 3), (64, 32, 4, 3), (32, 64, 4, 4), (128, 64, 8, 2)],
+        "dv": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+        "dk": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
         "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 3),
                (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 4)],
     },
     256: {
         "fwd": [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 1),
                 (64, 64, 8, 3), (128, 32, 4, 2), (64, 128, 8, 2), (128, 64, 16, 2), (128, 32, 8, 3)],
-        "dkdv": [(16, 64, 8, 2), (32, 64, 8, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2),
-                 (16, 128, 8, 2), (32, 128, 8, 1), (64, 64, 8, 1), (32, 64, 8, 1), (64, 128, 8, 1)],
+        "dkdv": [(64, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 1)],
+        "dv": [(64, 64, 8, 2), (32, 64, 8, 2), (64, 128, 8, 1), (32, 128, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2),
+               (64, 32, 4, 2), (32, 64, 8, 3)],
+        "dk": [(64, 64, 8, 2), (32, 64, 8, 2), (64, 128, 8, 1), (32, 128, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2),
+               (64, 32, 4, 2), (32, 64, 8, 3)],
         "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2),
                (32, 64, 4, 2), (128, 64, 8, 1), (128, 32, 8, 1)],
     },
 }
-KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "dkdv", "dq": "dq_kernel"}
+KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "dkdv", "dv": "dkdv", "dk": "dkdv", "dq": "dq_kernel"}
 
 
 def kernel_us(step, steps=5) -> dict[str, float]:
@@ -109,17 +117,25 @@ def run_preset(name):
 
 
 def sweep_settings(dim, step):
+    configs = attention_module.CONFIGS
     for kernel, settings in SETTINGS[dim].items():
-        default = attention_module.CONFIGS[kernel][dim]
+        saved = {name: dict(table) for name, table in configs.items()}
+        default = configs[kernel].get(dim)
+        if kernel in ("dv", "dk"):  # two passes: the other pass at its default or first candidate
+            configs["dkdv"].pop(dim, None)
+            other = "dk" if kernel == "dv" else "dv"
+            configs[other].setdefault(dim, SETTINGS[dim][other][0])
         for setting in settings:
-            attention_module.CONFIGS[kernel][dim] = setting
+            configs[kernel][dim] = setting
             try:
                 us = sum(t for n, t in kernel_us(step).items() if KERNEL_NAMES[kernel] in n)
                 mark = " (default)" if setting == default else ""
                 print(f"{kernel:<5} {setting}: {us:8.1f} us{mark}", flush=True)
             except Exception as e:  # over the shared-memory or register limit
                 print(f"{kernel:<5} {setting}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-        attention_module.CONFIGS[kernel][dim] = default
+        for name, table in saved.items():
+            configs[name].clear()
+            configs[name].update(table)
 
 
 SWEEP = "--no-sweep" not in sys.argv

@@ -112,16 +112,22 @@ CHUNK_WAVES = 4
 # step (warm L2) and lost alone (results/h100-80gb-hbm3/attention_tma.log).
 CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 2)},
-    "dkdv": {64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)},
+    "dkdv": {64: (32, 128, 4, 3), 128: (64, 128, 8, 3)},
+    "dv": {256: (64, 64, 8, 2)},
+    "dk": {256: (64, 64, 8, 2)},
     "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 1)},
 }
+# dK and dV: one kernel ("dkdv") where a key block's two fp32 accumulators and its tiles fit in registers; at
+# head dim 256 they do not (772 bytes a thread spilled, results/attention_d256_spills.log), and dV then dK run
+# as two passes of the kernel, one accumulator each (the scores computed twice).
 # dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
-FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
+FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1)} | dict.fromkeys(("dkdv", "dv", "dk"), (32, 64, 4, 1))
 # The interpreter: small tiles (so short test sequences cross tile edges), M != N on purpose.
-INTERPRETER_CONFIGS = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
+INTERPRETER_CONFIGS = {"fwd": (32, 16, 1, 1), "dq": (32, 16, 1, 1)} | dict.fromkeys(("dkdv", "dv", "dk"),
+                                                                                     (16, 32, 1, 1))
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -264,8 +270,9 @@ def _load_lse(lse_ptr, at, rows, n_rows):
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_base, delta_base, start, end,
                 k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                 MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """dK, dV of one key block from the query tiles [start, end), in the transposed
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                DK: tl.constexpr, DV: tl.constexpr):
+    """dK and/or dV of one key block from the query tiles [start, end), in the transposed
     orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
@@ -279,13 +286,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_
                          BOUND_BEFORE, BOUND_AFTER)
             sT = tl.where(ok, sT, float("-inf"))
         pT = tl.exp2(sT - lse[None, :])
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT *= 1.0 - tT * tT
-        dsT = dsT.to(q.dtype)
-        dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
+        if DV:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        if DK:
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            dsT = pT * (dpT - delta[None, :])
+            if SOFTCAP:
+                dsT *= 1.0 - tT * tT
+            dsT = dsT.to(q.dtype)
+            dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -299,6 +308,7 @@ def _attn_bwd_dkdv_kernel(
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     WHOLE_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr,
 ):
     # causal: the first key blocks are seen by the most queries, and start first as they are
     seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
@@ -333,21 +343,23 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
                                  delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
                                  before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
-                                 BLOCK_M, BLOCK_D, PRECISION)
+                                 BLOCK_M, BLOCK_D, PRECISION, DK, DV)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
                              delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
                              before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, PRECISION)
+                             BLOCK_M, BLOCK_D, PRECISION, DK, DV)
         if BOUND_BEFORE or not WHOLE_TILES:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
                                  delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
                                  before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
-                                 BLOCK_M, BLOCK_D, PRECISION)
+                                 BLOCK_M, BLOCK_D, PRECISION, DK, DV)
     rows = k_idx
-    store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
-               seqlen_k, dk * scale, HEAD_DIM)
-    store_rows(dv_ptr + b64 * dv_stride_b + hk64 * dv_stride_h + row64 * dv_stride_s, rows, dv_stride_s, offs_d,
-               seqlen_k, dv, HEAD_DIM)
+    if DK:
+        store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
+                   seqlen_k, dk * scale, HEAD_DIM)
+    if DV:
+        store_rows(dv_ptr + b64 * dv_stride_b + hk64 * dv_stride_h + row64 * dv_stride_s, rows, dv_stride_s, offs_d,
+                   seqlen_k, dv, HEAD_DIM)
 
 
 @triton.jit
@@ -448,6 +460,11 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, 
     if dtype == torch.float32:
         return FP32_CONFIGS[kernel]
     return CONFIGS[kernel][max(64, block_d_for(head_dim))]
+
+
+def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
+    """The dK/dV kernel's passes at this head dim: ("dkdv",), or ("dv", "dk") (see CONFIGS)."""
+    return ("dkdv",) if max(64, block_d_for(head_dim)) in CONFIGS["dkdv"] else ("dv", "dk")
 
 
 def precision_for(dtype: torch.dtype) -> str:
@@ -563,16 +580,17 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
         HAS_DLSE=dlse is not None, WHOLE_TILES=g.whole_tiles(g.seqlen_k, block_n), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages, **common,
     )
-    block_m, block_n, num_warps, num_stages = launch_config("dkdv", g.head_dim, q.dtype)
     q_reread = g.reread_bytes(g.seqlen_q, q.element_size()) * g.group  # Q and dO of a kv head's q heads
-    grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, q_reread, uneven=after >= 0)
-    launch(_attn_bwd_dkdv_kernel, grid,
-        q, k, v, do, lse, delta, dk, dv, g.cu(lse),
-        *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
-        *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *seq_args, *masks,
-        WHOLE_TILES=g.whole_tiles(g.seqlen_q, block_m), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        num_stages=num_stages, **common,
-    )
+    for kernel in dkdv_kernels(g.head_dim):
+        block_m, block_n, num_warps, num_stages = launch_config(kernel, g.head_dim, q.dtype)
+        grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, q_reread, uneven=after >= 0)
+        launch(_attn_bwd_dkdv_kernel, grid,
+            q, k, v, do, lse, delta, dk, dv, g.cu(lse),
+            *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
+            *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *seq_args, *masks,
+            WHOLE_TILES=g.whole_tiles(g.seqlen_q, block_m), BLOCK_M=block_m, BLOCK_N=block_n,
+            DK=kernel != "dv", DV=kernel != "dk", num_warps=num_warps, num_stages=num_stages, **common,
+        )
     return dq, dk, dv
 
 
