@@ -113,13 +113,14 @@ CHUNK_WAVES = 4
 CONFIGS = {
     "fwd": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 2)},
     "dkdv": {64: (32, 128, 4, 3), 128: (64, 128, 8, 3)},
-    "dv": {256: (64, 64, 8, 2)},
-    "dk": {256: (64, 64, 8, 2)},
+    "dv": {256: (32, 64, 4, 2)},
+    "dk": {256: (32, 128, 8, 3)},
     "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 1)},
 }
 # dK and dV: one kernel ("dkdv") where a key block's two fp32 accumulators and its tiles fit in registers; at
 # head dim 256 they do not (772 bytes a thread spilled, results/attention_d256_spills.log), and dV then dK run
-# as two passes of the kernel, one accumulator each (the scores computed twice).
+# as two passes of the kernel, one accumulator each (the scores computed twice): 29% less time on the H200
+# (results/h200/attention_d256_two_pass.log; two passes lose at head dims 64 and 128).
 # dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
