@@ -2,6 +2,7 @@
 
     python benchmarks/tune_rowwise.py [profile] [norm] [wide] [one-wide-block] [wide-layer] [wide-fwd]
                                       [wide-fwd-operands] [wide-fwd-layer] [activation] [narrow-bwd]
+                                      [narrow-bwd-layer]
 
 Prints, per kernel, the median time and GB/s of each setting next to the copy bandwidth
 measured in the same run; the chosen settings in ops/norm.py, ops/activation.py and
@@ -58,29 +59,32 @@ def sweep_norm(copy):
 
 
 def sweep_norm_bwd(copy, shapes=((8192, 2048), (8192, 4096), (16384, 4096)), per_sm_options=(2, 3, 4, 6, 8),
-                   with_dh=True):
-    """The rms backward by warps and programs per SM, timed by CUDA-graph replay (host launch time
-    excluded): as a decoder layer runs it (``with_dh``: read dy, the stream gradient and h, write
-    d(residual)), or as plain RMSNorm's (read dy and h, write dx); the current setting marked."""
+                   with_dh=True, is_rms=True):
+    """The rms (or, not ``is_rms``, layer) norm backward by warps and programs per SM, timed by CUDA-graph
+    replay (host launch time excluded): as a decoder layer runs it (``with_dh``: read dy, the stream
+    gradient and h, write d(residual)), or as the plain norm's (read dy and h, write dx); the current
+    setting marked."""
     original_settings, original_per_sm = norm.row_settings, norm.bwd_programs_per_sm
+    kind = "rms" if is_rms else "layer"
     for rows, n in shapes:
         h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         dy, dh = torch.randn_like(h), (torch.randn_like(h) if with_dh else None)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        _, _, _, rstd = norm._norm_fwd_launch(h, None, w, None, 1e-6, 0.0, 0.0, 0, True, h.dtype)
+        b = None if is_rms else torch.randn_like(w)
+        _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0.0, 0, is_rms, h.dtype)
         block, default_warps = original_settings(n)
         default_per_sm = original_per_sm(block)
         for warps, per_sm in itertools.product(sorted({2, 4, 8, default_warps}) if n <= 2048 else (4, 8),
                                                per_sm_options):
             patch_norm(row_settings=lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_))
             patch_norm(bwd_programs_per_sm=lambda block, p_=per_sm: p_)
-            step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, 0.0, None, None, rstd, 0.0, 0, True, h.dtype,
-                                     with_dh, False)
+            step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, 0.0, None if is_rms else h.dtype, mean, rstd,
+                                     0.0, 0, is_rms, h.dtype, with_dh, False)
             step()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
             gbps = (3 + with_dh) * h.numel() * 2 / us / 1e3
             mark = " (current)" if (warps, per_sm) == (default_warps, default_per_sm) else ""
-            print(f"norm rms bwd {rows}x{n} {'dh ' if with_dh else ''}warps={warps} per_sm={per_sm} {us:7.1f} us "
+            print(f"norm {kind} bwd {rows}x{n} {'dh ' if with_dh else ''}warps={warps} per_sm={per_sm} {us:7.1f} us "
                   f"{gbps / copy:6.1%}{mark}", flush=True)
     patch_norm(row_settings=original_settings, bwd_programs_per_sm=original_per_sm)
 
@@ -336,6 +340,8 @@ if __name__ == "__main__":
         sweep_layer_norm_bwd_wide(ceilings.copy_gbps)
     if "activation" in parts:
         sweep_activation(ceilings.copy_gbps)
+    narrow = ((16384, 768), (65536, 768), (65536, 1024), (65536, 1536), (16384, 2048))
     if "narrow-bwd" in parts:  # plain RMSNorm's backward at narrow rows, more programs an SM
-        sweep_norm_bwd(ceilings.copy_gbps, ((16384, 768), (65536, 768), (65536, 1024), (65536, 1536), (16384, 2048)),
-                       (4, 6, 8, 12, 16), with_dh=False)
+        sweep_norm_bwd(ceilings.copy_gbps, narrow, (4, 6, 8, 12, 16), with_dh=False)
+    if "narrow-bwd-layer" in parts:  # plain LayerNorm's
+        sweep_norm_bwd(ceilings.copy_gbps, narrow, (4, 6, 8, 12, 16), with_dh=False, is_rms=False)
