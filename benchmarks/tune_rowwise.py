@@ -73,11 +73,11 @@ def sweep_norm_bwd(copy, shapes=((8192, 2048), (8192, 4096), (16384, 4096)), per
         b = None if is_rms else torch.randn_like(w)
         _, _, mean, rstd = norm._norm_fwd_launch(h, None, w, b, 1e-6, 0.0, 0.0, 0, is_rms, h.dtype)
         block, default_warps = original_settings(n)
-        default_per_sm = original_per_sm(block)
+        default_per_sm = original_per_sm(block, is_rms)
         for warps, per_sm in itertools.product(sorted({2, 4, 8, default_warps}) if n <= 2048 else (4, 8),
                                                per_sm_options):
             patch_norm(row_settings=lambda cols, values_per_thread=16, b_=block, w_=warps: (b_, w_))
-            patch_norm(bwd_programs_per_sm=lambda block, p_=per_sm: p_)
+            patch_norm(bwd_programs_per_sm=lambda block, is_rms, p_=per_sm: p_)
             step = functools.partial(norm._norm_bwd_launch, dy, dh, h, w, 0.0, None if is_rms else h.dtype, mean, rstd,
                                      0.0, 0, is_rms, h.dtype, with_dh, False)
             step()
@@ -158,7 +158,7 @@ def sweep_layer_norm_bwd_wide(copy):
         ref = step()[0].float()
         for cap, per_sm in itertools.product((4096, 8192), (1, 2, 4)):
             patch_norm(bwd_max_block=lambda n_cols, c_=cap: c_)
-            patch_norm(bwd_programs_per_sm=lambda block, p_=per_sm: p_)
+            patch_norm(bwd_programs_per_sm=lambda block, is_rms, p_=per_sm: p_)
             err = ((step()[0].float() - ref).norm() / ref.norm()).item()
             us = do_bench_cudagraph(step, rep=100, return_mode="median") * 1e3
             gbps = 3 * h.numel() * 2 / us / 1e3

@@ -130,13 +130,17 @@ def fwd_constant_width(n_cols, block: int) -> int:
     return n_cols if isinstance(n_cols, int) and n_cols % block else 0
 
 
-def bwd_programs_per_sm(block: int) -> int:
+def bwd_programs_per_sm(block: int, is_rms: bool) -> int:
     """Backward programs per SM: each owns a run of rows (of one column block) and keeps its fp32
     share of dw/db. The narrower the block, the more programs, to keep as many bytes in flight: blocks
-    of at most 1024 values (rows of up to 1024 features) 8, of 2048 4 (benchmarks/tune_rowwise.py norm
-    and narrow-bwd, results/h200/tune_norm_bwd.log); one block wider than WIDE_ROW
+    of at most 1024 values (rows of up to 1024 features) 8, but 6 for LayerNorm's 1024-value blocks
+    (its kernel holds the mean and db too: 140 registers a thread against RMSNorm's 124, and 7 or 8
+    programs an SM ran 30-40% slower than 6), of 2048 4 (benchmarks/tune_rowwise.py norm, narrow-bwd
+    and narrow-bwd-layer, results/h200/tune_norm_bwd.log); one block wider than WIDE_ROW
     (bwd_one_wide_block) fills an SM alone."""
-    return 8 if block <= 1024 else 4 if block <= 2048 else 2 if block <= WIDE_ROW else 1
+    if block <= 1024:
+        return 8 if is_rms or block <= 512 else 6
+    return 4 if block <= 2048 else 2 if block <= WIDE_ROW else 1
 
 
 def bwd_one_wide_block(n_cols: int) -> bool:
@@ -469,13 +473,13 @@ def _writes_dx(has_residual, dropout_p, x_dtype, h_dtype, leaves):
 
 
 @cached_plan
-def _bwd_plan(n_rows: int, n_cols: int, sms: int) -> tuple[int, int, int, int, int, bool]:
+def _bwd_plan(n_rows: int, n_cols: int, is_rms: bool, sms: int) -> tuple[int, int, int, int, int, bool]:
     """(BLOCK_N, num_warps, column blocks, programs, programs of the sums kernel, one wide block) of the
     backward: a pure function of the shape, cached (computing it costs more host time than the lookup)."""
     one_wide = bwd_one_wide_block(n_cols)
     block, num_warps = row_settings(n_cols if one_wide else bwd_max_block(n_cols))
     col_blocks = max(1, cdiv(n_cols, block))  # past one block a row, each program owns one column block of its rows
-    per_sm = bwd_programs_per_sm(block)
+    per_sm = bwd_programs_per_sm(block, is_rms)
     programs = max(1, min(n_rows, cdiv(sms * per_sm, col_blocks)))
     return block, num_warps, col_blocks, programs, max(1, min(n_rows, sms * per_sm)), one_wide
 
@@ -491,7 +495,7 @@ def _norm_bwd_launch(dy, dh_out, h, weight, offset, bias_dtype, mean, rstd, drop
     dres = empty_output(h)
     write_dx = _writes_dx(has_residual, dropout_p, x_dtype, h.dtype, leaves)
     dx = empty_output(h, x_dtype) if write_dx else None
-    block, num_warps, col_blocks, programs, sum_programs, one_wide = _bwd_plan(m, n, num_programs_for(h.device))
+    block, num_warps, col_blocks, programs, sum_programs, one_wide = _bwd_plan(m, n, is_rms, num_programs_for(h.device))
     alloc = torch.empty if m > 0 else torch.zeros  # every program writes its columns; empty input: zeros
     dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if weight is not None else None
     db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if bias_dtype is not None else None

@@ -15,9 +15,17 @@ from torch import Tensor
 
 from onepass.ops.dispatch import cdiv, launch
 
-# [partials, columns] tile a program sums at a time; the partials are still in L2 from the kernel that wrote them.
-# Chosen by a one-off sweep (on an H200) whose script is not in the tree; its numbers are in CHANGELOG.md.
-BLOCK_P, BLOCK_C, NUM_WARPS = 64, 16, 4
+# The [partials, columns] tile a program sums at a time, and its warps; the partials are still in L2 from the
+# kernel that wrote them. BLOCK_C 16: each program reads 64-byte runs of a row.
+BLOCK_C = 16
+
+
+def sum_settings(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_P, num_warps). Up to 2048 columns (at most 128 programs, and often over a thousand partial
+    rows: norms' backward at narrow rows runs 8 programs an SM) 256 rows a step on 8 warps, more loads in
+    flight a program; wider, 64 on 4 (H200, results/h200/sum_partials.log: 768 columns of 1056 partials
+    4.73 -> 3.45 us; at 4096 and wider 64 on 4 the fastest)."""
+    return (256, 8) if n_cols <= 2048 else (64, 4)
 
 
 @triton.jit
@@ -54,6 +62,7 @@ def sum_partials(*buffers: tuple[Tensor, torch.dtype]) -> list[Tensor]:
     if n_cols:
         part, part2 = buffers[0][0], buffers[-1][0]
         out2 = outs[1] if len(outs) == 2 else part  # (a placeholder is an input: see dispatch.triton_op)
+        block_p, num_warps = sum_settings(n_cols)
         launch(_sum_partials_kernel, (cdiv(n_cols, BLOCK_C), len(buffers)), part, outs[0], part2, out2,
-               n_parts, n_cols, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
+               n_parts, n_cols, BLOCK_P=block_p, BLOCK_C=BLOCK_C, num_warps=num_warps)
     return outs
