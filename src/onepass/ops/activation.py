@@ -202,7 +202,7 @@ def _rows(t: Tensor, has_bias: bool) -> tuple[Tensor, int, int, int]:
     if has_bias:
         rows, m, stride = rows_of(t)
         return rows, m, t.shape[-1], stride
-    t = t if t.is_contiguous() else t.contiguous()
+    t = t.contiguous()
     return t, 1, t.numel(), t.numel()
 
 
