@@ -66,7 +66,7 @@ def test_sequence_lengths(sq, sk, causal, device):
 
 # 160 pads to 256: dK and dV in two passes (attention.dkdv_kernels)
 @pytest.mark.parametrize("head_dim, kw", [(32, dict(causal=True, window=12)), (80, dict()), (24, dict(softcap=3.0)),
-                                          (160, dict(causal=True, softcap=3.0))])
+                                          (160, dict(causal=True, window=12, softcap=3.0))])
 def test_float16_and_padded_head_dims(head_dim, kw, device):
     q, k, v = _qkv((1, 4, 40, head_dim), (1, 2, 40, head_dim), torch.float16, device)
     _check(q, k, v, torch.float16, **kw)
