@@ -118,9 +118,9 @@ CONFIGS = {
     "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 1)},
 }
 # dK and dV: one kernel ("dkdv") where a key block's two fp32 accumulators and its tiles fit in registers; at
-# head dim 256 they do not (772 bytes a thread spilled, results/attention_d256_spills.log), and dV then dK run
-# as two passes of the kernel, one accumulator each (the scores computed twice): 29% less time on the H200
-# (results/h200/attention_d256_two_pass.log; two passes lose at head dims 64 and 128).
+# head dim 256 they do not (they spill: results/attention_d256_spills.log), and dV then dK run as two passes of
+# the kernel, one accumulator each: the scores computed twice cost less than the spills there, more at head dims
+# 64 and 128 (results/h200/attention_d256_two_pass.log).
 # dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
@@ -454,18 +454,23 @@ def block_d_for(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def config_row(head_dim: int) -> int:
+    """The row of the settings tables (CONFIGS, decode's) a head dim takes: its padded block, 64 at least."""
+    return max(64, block_d_for(head_dim))
+
+
 def launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for one kernel of this file."""
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
     if dtype == torch.float32:
         return FP32_CONFIGS[kernel]
-    return CONFIGS[kernel][max(64, block_d_for(head_dim))]
+    return CONFIGS[kernel][config_row(head_dim)]
 
 
 def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
     """The dK/dV kernel's passes at this head dim: ("dkdv",), or ("dv", "dk") (see CONFIGS)."""
-    return ("dkdv",) if max(64, block_d_for(head_dim)) in CONFIGS["dkdv"] else ("dv", "dk")
+    return ("dkdv",) if config_row(head_dim) in CONFIGS["dkdv"] else ("dv", "dk")
 
 
 def precision_for(dtype: torch.dtype) -> str:

@@ -52,7 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onepass import reference
-from onepass.ops.attention import MAX_HEAD_DIM, block_d_for, precision_for
+from onepass.ops.attention import MAX_HEAD_DIM, block_d_for, config_row, precision_for
 from onepass.ops.attention_tiles import online_softmax_tiles, row_offsets, softmax_finish
 from onepass.ops.dispatch import (
     cdiv,
@@ -302,7 +302,7 @@ def _decode_launch(q, k_cache, v_cache, cache_seqlens, scale, softcap, layout, n
     elif q.dtype == torch.float32:
         block_n, num_warps, num_stages = FP32_CONFIG
     else:
-        block_n, num_warps, num_stages = DECODE_CONFIGS[max(64, block_d_for(head_dim))]
+        block_n, num_warps, num_stages = DECODE_CONFIGS[config_row(head_dim)]
     block_d = block_d_for(head_dim)
     rows = batch * heads * n_tokens
     direct = splits == 1

@@ -134,8 +134,8 @@ def bwd_programs_per_sm(block: int, is_rms: bool) -> int:
     """Backward programs per SM: each owns a run of rows (of one column block) and keeps its fp32
     share of dw/db. The narrower the block, the more programs, to keep as many bytes in flight: blocks
     of at most 1024 values (rows of up to 1024 features) 8, but 6 for LayerNorm's 1024-value blocks
-    (its kernel holds the mean and db too: 140 registers a thread against RMSNorm's 124, and 7 or 8
-    programs an SM ran 25-39% slower than 6), of 2048 4 (benchmarks/tune_rowwise.py norm, narrow-bwd
+    (its kernel holds the mean and db too, more registers a thread than RMSNorm's, and more than 6
+    programs an SM were slower), of 2048 4 (benchmarks/tune_rowwise.py norm, narrow-bwd
     and narrow-bwd-layer, results/h200/tune_norm_bwd.log); one block wider than WIDE_ROW
     (bwd_one_wide_block) fills an SM alone."""
     if block <= 1024:

@@ -23,8 +23,8 @@ BLOCK_C = 16
 def sum_settings(n_cols: int) -> tuple[int, int]:
     """(BLOCK_P, num_warps). Up to 2048 columns (at most 128 programs a buffer, and often over a thousand
     partial rows: norms' backward at narrow rows runs 8 programs an SM) 256 rows a step on 8 warps, more
-    loads in flight a program; wider, 64 on 4 (H200, results/h200/sum_partials.log: 768 columns of 1056
-    partials 4.73 -> 3.45 us; at 4096 and wider 64 on 4 the fastest of the 16-column tiles)."""
+    loads in flight a program; wider, 64 on 4, the fastest there of the 16-column tiles
+    (results/h200/sum_partials.log)."""
     return (256, 8) if n_cols <= 2048 else (64, 4)
 
 
