@@ -65,7 +65,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from onepass import reference
 from onepass.ops.attention_tiles import (
@@ -124,10 +123,6 @@ CONFIGS = {
 # 64 and 128 (results/h200/attention_d256_two_pass.log).
 # dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
-# Head dims (rows of CONFIGS) whose dK/dV kernel loads its Q and dO tiles through tensor descriptors (TMA) where
-# the tensors allow: a pointer tile holds an address and a mask a vector, and the pipeliner keeps the next tile's
-# live too, which spills (results/attention_tma_spills.log).
-DKDV_TMA_ROWS = {64, 128, 256}
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1)} | dict.fromkeys(("dkdv", "dv", "dk"), (32, 64, 4, 1))
@@ -273,31 +268,17 @@ def _load_lse(lse_ptr, at, rows, n_rows):
 
 
 @triton.jit
-def _query_rows(src, b, h, row_start, start_m, rows, row_stride, offs_d, seqlen_q, MASKED: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """A [BLOCK_M, BLOCK_D] tile of query rows: through a [B, H, S, D] tensor descriptor (TMA; zero past the
-    tensor's edges) or a pointer tile (src: the first row of this (b, h)'s sequence)."""
-    if TMA:
-        tile = src.load([b, h, row_start + start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-    else:
-        tile = load_rows(src, rows, row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
-    return tile
-
-
-@triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_row_stride, do_row_stride, lse_base, delta_base, b, h, row_start,
-                start, end, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_row_stride, do_row_stride, lse_base, delta_base, start, end,
+                k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
                 MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                DK: tl.constexpr, DV: tl.constexpr, TMA: tl.constexpr):
+                DK: tl.constexpr, DV: tl.constexpr):
     """dK and/or dV of one key block from the query tiles [start, end), in the transposed
     orientation (keys are rows): sT = k q^T, dv += pT dO, dk += dsT q."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
-        q = _query_rows(q_src, b, h, row_start, start_m, rows, q_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM,
-                        BLOCK_M, BLOCK_D, TMA)
-        do = _query_rows(do_src, b, h, row_start, start_m, rows, do_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM,
-                         BLOCK_M, BLOCK_D, TMA)
+        q = load_rows(q_base, rows, q_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
+        do = load_rows(do_base, rows, do_row_stride, offs_d, seqlen_q, MASKED, HEAD_DIM, BLOCK_D)
         lse = _load_lse(lse_base, rows, rows, seqlen_q)
         delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
         sT, tT = scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), scale, softcap, SOFTCAP)
@@ -328,7 +309,7 @@ def _attn_bwd_dkdv_kernel(
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     WHOLE_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr, TMA: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr,
 ):
     # causal: the first key blocks are seen by the most queries, and start first as they are
     seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
@@ -355,29 +336,24 @@ def _attn_bwd_dkdv_kernel(
     lo, full_lo, full_hi, hi = _tile_runs(start_n, seqlen_q, -offset, after, before, BLOCK_N, BLOCK_M,
                                           BOUND_AFTER, BOUND_BEFORE)
     for g in range(0, group):  # every q head of the kv group adds into the same registers
-        h = hk * group + g
-        h64 = h.to(tl.int64)
-        if TMA:  # (q_ptr and do_ptr are [B, H, S, D] tensor descriptors)
-            q_src = q_ptr
-            do_src = do_ptr
-        else:
-            q_src = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
-            do_src = do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s
+        h64 = hk64 * group + g
+        q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
+        do_base = do_ptr + b64 * do_stride_b + h64 * do_stride_h + row64 * do_stride_s
         stats = b64 * lse_stride_b + h64 * lse_stride_h + row64
         if BOUND_AFTER:  # (the roles swapped: the forward's bound after masks the first query tiles)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_stride_s, do_stride_s, lse_ptr + stats,
-                                 delta_ptr + stats, b, h, row_start, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q,
-                                 seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER,
-                                 SOFTCAP, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION, DK, DV, TMA)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_stride_s, do_stride_s, lse_ptr + stats,
-                             delta_ptr + stats, b, h, row_start, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q,
-                             seqlen_k, offset, before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER,
-                             SOFTCAP, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION, DK, DV, TMA)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                                 delta_ptr + stats, lo, full_lo, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                                 before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                                 BLOCK_M, BLOCK_D, PRECISION, DK, DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                             delta_ptr + stats, full_lo, full_hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                             before, after, scale, softcap, False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, PRECISION, DK, DV)
         if BOUND_BEFORE or not WHOLE_TILES:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_stride_s, do_stride_s, lse_ptr + stats,
-                                 delta_ptr + stats, b, h, row_start, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q,
-                                 seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER,
-                                 SOFTCAP, HEAD_DIM, BLOCK_M, BLOCK_D, PRECISION, DK, DV, TMA)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, q_stride_s, do_stride_s, lse_ptr + stats,
+                                 delta_ptr + stats, full_hi, hi, k_idx, offs_m, offs_d, seqlen_q, seqlen_k, offset,
+                                 before, after, scale, softcap, True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM,
+                                 BLOCK_M, BLOCK_D, PRECISION, DK, DV)
     rows = k_idx
     if DK:
         store_rows(dk_ptr + b64 * dk_stride_b + hk64 * dk_stride_h + row64 * dk_stride_s, rows, dk_stride_s, offs_d,
@@ -497,21 +473,6 @@ def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
     return ("dkdv",) if config_row(head_dim) in CONFIGS["dkdv"] else ("dv", "dk")
 
 
-def query_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block_m: int) -> tuple | None:
-    """[B, H, S, D] tensor descriptors of the dK/dV kernel's query-side tensors (blocks of ``block_m`` rows), or
-    None where it loads pointer tiles: head dims off DKDV_TMA_ROWS, fp32, varlen (a tile past a sequence's end
-    would read the next sequence instead of zeros), a tensor TMA cannot address (16-byte alignment), or a traced
-    call (torch 2.11-2.13 capture host descriptors only when Dynamo traces the launch itself, not an op's body)."""
-    if (g.varlen or config_row(g.head_dim) not in DKDV_TMA_ROWS or tensors[0].dtype == torch.float32
-            or tracing(tensors[0])):
-        return None
-    views = [g.view(t) for t in tensors]
-    size = tensors[0].element_size()
-    if any(v.data_ptr() % 16 or any(st * size % 16 for st in v.stride()[:-1]) for v in views):
-        return None
-    return tuple(TensorDescriptor.from_tensor(v, [1, 1, block_m, g.block_d]) for v in views)
-
-
 def precision_for(dtype: torch.dtype) -> str:
     """fp32 inputs (tests) multiply in full fp32, not TF32; 16-bit inputs ignore this."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -629,15 +590,12 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     for kernel in dkdv_kernels(g.head_dim):
         block_m, block_n, num_warps, num_stages = launch_config(kernel, g.head_dim, q.dtype)
         grid, seq_args = g.programs(block_n, g.kv_heads, g.seqlen_k, q_reread, uneven=after >= 0)
-        descriptors = query_descriptors(g, (q, do), block_m)
-        q_src, do_src = descriptors or (q, do)
         launch(_attn_bwd_dkdv_kernel, grid,
-            q_src, k, v, do_src, lse, delta, dk, dv, g.cu(lse),
+            q, k, v, do, lse, delta, dk, dv, g.cu(lse),
             *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(do), *g.strides(dk), *g.strides(dv),
             *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.kv_heads, g.group, *seq_args, *masks,
             WHOLE_TILES=g.whole_tiles(g.seqlen_q, block_m), BLOCK_M=block_m, BLOCK_N=block_n,
-            DK=kernel != "dv", DV=kernel != "dk", TMA=descriptors is not None, num_warps=num_warps,
-            num_stages=num_stages, **common,
+            DK=kernel != "dv", DV=kernel != "dk", num_warps=num_warps, num_stages=num_stages, **common,
         )
     return dq, dk, dv
 
