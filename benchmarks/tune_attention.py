@@ -7,10 +7,13 @@ For each preset: SDPA (flash, cuDNN) and onepass, forward and forward+backward, 
 counted as 3.5x the forward's FLOPs); then each forward, dK/dV and dQ setting in turn (the others at
 their defaults) with the time of the kernel it changes. dK/dV run as one pass ("dkdv") or two ("dv" then
 "dk", see attention.dkdv_kernels): a "dkdv" setting times one pass, a "dv" or "dk" setting both passes
-(the other at its default, or at its first candidate where the head dim has none). ops/attention.py's
-CONFIGS cite the result.
+(the other at its default, or at its first candidate where the head dim has none); each forward and dQ
+setting with K and V loaded through tensor descriptors ("tma") and as pointer tiles ("ptr"), as the
+"onepass, K/V ..." rows do for the whole step. ops/attention.py's CONFIGS, FWD_TMA_ROWS and DQ_TMA_ROWS
+cite the result.
 """
 
+import contextlib
 import sys
 from collections import defaultdict
 
@@ -105,18 +108,37 @@ def run_preset(name):
         return ops.attention(q, k, v, causal=causal)
 
     print(f"\n== {name}: B{batch} S{seq} {hq}/{hk} heads, head dim {dim}, {'causal' if causal else 'full'}, bf16")
-    for label, fn in (("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION)),
-                      ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
-                      ("onepass", ours)):
+    for label, fn, loads in (("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION), contextlib.nullcontext()),
+                             ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION), contextlib.nullcontext()),
+                             ("onepass", ours, contextlib.nullcontext()),
+                             ("onepass, K/V pointer tiles", ours, kv_loads(tma=False)),
+                             ("onepass, K/V descriptors", ours, kv_loads(tma=True))):
         try:
-            fwd_ms = do_bench(fn, return_mode="median")
-            both_ms = do_bench(fwd_bwd(fn), return_mode="median")
-            print(f"{label:<22} fwd {fwd_ms:7.3f} ms {flops / fwd_ms / 1e9:6.0f} TFLOP/s   fwd+bwd {both_ms:7.3f} ms "
+            with loads:
+                fwd_ms = do_bench(fn, return_mode="median")
+                both_ms = do_bench(fwd_bwd(fn), return_mode="median")
+            print(f"{label:<26} fwd {fwd_ms:7.3f} ms {flops / fwd_ms / 1e9:6.0f} TFLOP/s   fwd+bwd {both_ms:7.3f} ms "
                   f"{3.5 * flops / both_ms / 1e9:6.0f} TFLOP/s", flush=True)
         except RuntimeError as e:
-            print(f"{label:<22} failed: {str(e)[:100]}")
+            print(f"{label:<26} failed: {str(e)[:100]}")
     if SWEEP:
         sweep_settings(dim, fwd_bwd(ours))
+
+
+@contextlib.contextmanager
+def kv_loads(tma):
+    """The forward's and dQ kernel's K and V loads at every head dim: tensor descriptors (tma) or pointer tiles."""
+    tables = (attention_module.FWD_TMA_ROWS, attention_module.DQ_TMA_ROWS)
+    saved = [set(rows) for rows in tables]
+    for rows in tables:
+        rows.clear()
+        rows.update({64, 128, 256} if tma else ())
+    try:
+        yield
+    finally:
+        for rows, before in zip(tables, saved):
+            rows.clear()
+            rows.update(before)
 
 
 def sweep_settings(dim, step):
@@ -130,14 +152,18 @@ def sweep_settings(dim, step):
             configs["dkdv"].pop(dim, None)
             other = "dk" if kernel == "dv" else "dv"
             configs[other].setdefault(dim, SETTINGS[dim][other][0])
+        loads = (("tma", True), ("ptr", False)) if kernel in ("fwd", "dq") else (("", None),)
         for setting in settings:
             configs[kernel][dim] = setting
-            try:
-                us = sum(t for n, t in kernel_us(step).items() if KERNEL_NAMES[kernel] in n)
-                mark = " (default)" if setting == default else ""
-                print(f"{kernel:<5} {setting}: {us:8.1f} us{mark}", flush=True)
-            except Exception as e:  # over the shared-memory or register limit
-                print(f"{kernel:<5} {setting}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            for load, tma in loads:
+                label = f"{kernel:<5} {load:<3} {setting}"
+                try:
+                    with kv_loads(tma) if tma is not None else contextlib.nullcontext():
+                        us = sum(t for n, t in kernel_us(step).items() if KERNEL_NAMES[kernel] in n)
+                    mark = " (default)" if setting == default else ""
+                    print(f"{label}: {us:8.1f} us{mark}", flush=True)
+                except Exception as e:  # over the shared-memory or register limit
+                    print(f"{label}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
         for name, table in saved.items():
             configs[name].clear()
             configs[name].update(table)

@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from onepass import reference
 from onepass.ops.attention_tiles import (
@@ -75,6 +76,7 @@ from onepass.ops.attention_tiles import (
     scores,
     softmax_finish,
     store_rows,
+    tile_rows,
     visible,
 )
 from onepass.ops.dispatch import (
@@ -123,6 +125,10 @@ CONFIGS = {
 # 64 and 128 (results/h200/attention_d256_two_pass.log).
 # dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
+# Head dims (rows of CONFIGS) whose forward and dQ kernels load their K and V tiles through tensor descriptors
+# (TMA) where the tensors allow (kv_descriptors).
+FWD_TMA_ROWS = {256}
+DQ_TMA_ROWS = {256}
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1)} | dict.fromkeys(("dkdv", "dv", "dk"), (32, 64, 4, 1))
@@ -214,6 +220,7 @@ def _attn_fwd_kernel(
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     WHOLE_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
     cu_starts = tl.load(cu_seqlens_ptr + seqs, mask=(seqs < n_seqs) & VARLEN, other=0)
@@ -230,8 +237,13 @@ def _attn_fwd_kernel(
     offs_n = row_offsets(BLOCK_N, LONG)
     offs_d = tl.arange(0, BLOCK_D)
     q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
-    k_base = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
-    v_base = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    if TMA:  # (k_ptr and v_ptr are [B, H, S, D] tensor descriptors)
+        k_src = k_ptr
+        v_src = v_ptr
+    else:
+        k_src = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
+        v_src = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    hk = h // group
     q = load_rows(q_base, offs_m, q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -241,18 +253,21 @@ def _attn_fwd_kernel(
                                           BOUND_BEFORE, BOUND_AFTER)
     if BOUND_BEFORE:  # (else no key tile lies before the unmasked run: see _tile_runs)
         acc, l_i, m_i = online_softmax_tiles(
-            acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, offs_m, offs_n, offs_d,
+            acc, l_i, m_i, q, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, lo, full_lo, offs_m, offs_n,
+            offs_d,
             seqlen_q, seqlen_k, offset, before, after, scale, softcap,
-            True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+            True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     acc, l_i, m_i = online_softmax_tiles(
-        acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, offs_m, offs_n, offs_d,
+        acc, l_i, m_i, q, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_lo, full_hi, offs_m, offs_n,
+        offs_d,
         seqlen_q, seqlen_k, offset, before, after, scale, softcap,
-        False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     if BOUND_AFTER or not WHOLE_TILES:  # (else the unmasked run reaches the last key)
         acc, l_i, m_i = online_softmax_tiles(
-            acc, l_i, m_i, q, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, offs_m, offs_n, offs_d,
+            acc, l_i, m_i, q, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_hi, hi, offs_m, offs_n,
+            offs_d,
             seqlen_q, seqlen_k, offset, before, after, scale, softcap,
-            True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+            True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
 
     o, lse = softmax_finish(acc, l_i, m_i)
     o_base = o_ptr + b64 * o_stride_b + h64 * o_stride_h + row64 * o_stride_s
@@ -364,15 +379,18 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_row_stride, v_row_stride, start, end, q_idx, offs_n, offs_d,
-              seqlen_q, seqlen_k, offset, before, after, scale, softcap,
+def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_row_stride, v_row_stride, start, end, q_idx,
+              offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
               MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """dQ of one query block from the key tiles [start, end)."""
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
+    """dQ of one query block from the key tiles [start, end) (K and V by tile_rows)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = load_rows(k_base, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
-        v = load_rows(v_base, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D)
+        k = tile_rows(k_src, b, hk, row_start, start_n, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
+                      BLOCK_N, BLOCK_D, TMA)
+        v = tile_rows(v_src, b, hk, row_start, start_n, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
+                      BLOCK_N, BLOCK_D, TMA)
         s, t = scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
         if MASKED:
             ok = visible(q_idx[:, None], cols[None, :], seqlen_q, seqlen_k, offset, before, after,
@@ -397,7 +415,7 @@ def _attn_bwd_dq_kernel(
     BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DLSE: tl.constexpr,
     VARLEN: tl.constexpr, WHOLE_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, LONG: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ of one query block; first its delta = rowsum(dO * O) - dLSE, stored for the dK/dV kernel."""
     seqs = tl.arange(0, BLOCK_SEQS)  # (loaded here: see _locate)
@@ -426,23 +444,28 @@ def _attn_bwd_dq_kernel(
         delta -= tl.load(dlse_ptr + stats, mask=rows < seqlen_q, other=0.0)
     tl.store(delta_ptr + stats, delta, mask=rows < seqlen_q)
     lse = _load_lse(lse_ptr, stats, rows, seqlen_q)
-    k_base = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
-    v_base = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    if TMA:  # (k_ptr and v_ptr are [B, H, S, D] tensor descriptors)
+        k_src = k_ptr
+        v_src = v_ptr
+    else:
+        k_src = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
+        v_src = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    hk = h // group
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
                                           BOUND_BEFORE, BOUND_AFTER)
     offs_n = row_offsets(BLOCK_N, LONG)
     if BOUND_BEFORE:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, lo, full_lo, q_idx, offs_n,
-                       offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE,
-                       BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_lo, full_hi, q_idx, offs_n,
-                   offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, False, BOUND_BEFORE,
-                   BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, lo, full_lo,
+                       q_idx, offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True,
+                       BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_lo, full_hi,
+                   q_idx, offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, False,
+                   BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     if BOUND_AFTER or not WHOLE_TILES:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, full_hi, hi, q_idx, offs_n,
-                       offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True, BOUND_BEFORE,
-                       BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_hi, hi,
+                       q_idx, offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True,
+                       BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     store_rows(dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s, rows, dq_stride_s, offs_d,
                seqlen_q, dq * scale, HEAD_DIM)
 
@@ -471,6 +494,22 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, 
 def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
     """The dK/dV kernel's passes at this head dim: ("dkdv",), or ("dv", "dk") (see CONFIGS)."""
     return ("dkdv",) if config_row(head_dim) in CONFIGS["dkdv"] else ("dv", "dk")
+
+
+def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set) -> tuple | None:
+    """[B, H, S, D] tensor descriptors of K and V for a kernel that streams their tiles (blocks of ``block``
+    rows), or None where it loads pointer tiles: head dims (rows of CONFIGS) off ``head_dims``, fp32, varlen
+    (a tile past a sequence's end would read the next sequence instead of zeros), a tensor TMA cannot address
+    (16-byte alignment), or a traced call (torch 2.11-2.13 capture host descriptors only when Dynamo traces
+    the launch itself, not an op's body)."""
+    if (g.varlen or config_row(g.head_dim) not in head_dims or tensors[0].dtype == torch.float32
+            or tracing(tensors[0])):
+        return None
+    views = [g.view(t) for t in tensors]
+    size = tensors[0].element_size()
+    if any(v.data_ptr() % 16 or any(st * size % 16 for st in v.stride()[:-1]) for v in views):
+        return None
+    return tuple(TensorDescriptor.from_tensor(v, [1, 1, block, g.block_d]) for v in views)
 
 
 def precision_for(dtype: torch.dtype) -> str:
@@ -549,14 +588,17 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group  # a q head's share of its K and V
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
+    descriptors = kv_descriptors(g, (k, v), block_n, FWD_TMA_ROWS)
+    k_src, v_src = descriptors or (k, v)
     launch(_attn_fwd_kernel, grid,
-        q, k, v, o, lse, g.cu(q),  # (a placeholder is an input: see dispatch.triton_op)
+        q, k_src, v_src, o, lse, g.cu(q),  # (a placeholder is an input: see dispatch.triton_op)
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.lse_strides(),
         g.seqlen_q, g.seqlen_k, g.heads, g.group, *seq_args, scale, softcap or 1.0, before, after,
         BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
         WHOLE_TILES=g.whole_tiles(g.seqlen_k, block_n), HEAD_DIM=g.head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs,
-        LONG=g.long_offsets(q, k, v, o), PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        LONG=g.long_offsets(q, k, v, o), PRECISION=precision_for(q.dtype), TMA=descriptors is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return o, lse
 
@@ -579,12 +621,14 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
+    descriptors = kv_descriptors(g, (k, v), block_n, DQ_TMA_ROWS)
+    k_src, v_src = descriptors or (k, v)
     launch(_attn_bwd_dq_kernel, grid,
-        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, g.cu(lse),
+        q, k_src, v_src, o, do, lse, dlse if dlse is not None else lse, delta, dq, g.cu(lse),
         *g.strides(q), *g.strides(k), *g.strides(v), *g.strides(o), *g.strides(do), *g.strides(dq),
         *g.lse_strides(), g.seqlen_q, g.seqlen_k, g.heads, g.group, *seq_args, *masks,
         HAS_DLSE=dlse is not None, WHOLE_TILES=g.whole_tiles(g.seqlen_k, block_n), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages, **common,
+        TMA=descriptors is not None, num_warps=num_warps, num_stages=num_stages, **common,
     )
     q_reread = g.reread_bytes(g.seqlen_q, q.element_size()) * g.group  # Q and dO of a kv head's q heads
     for kernel in dkdv_kernels(g.head_dim):
