@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -222,6 +224,47 @@ def test_bad_input_raises(call, error, words, device):
     q, k, v = _qkv((2, 4, 8, 16), (2, 4, 8, 16), torch.float32, device)
     with pytest.raises(error, match=words):
         call(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [32, 160])  # rows 64 (DQ_TMA_ROWS) and 256 (FWD_TMA_ROWS)
+def test_tensor_descriptor_loads_match_pointer_tiles(head_dim, device, monkeypatch):
+    """K and V through tensor descriptors (TMA, zeros past the edges) give the pointer tiles' results bit for bit,
+    at a padded head dim, a window and a softcap, in both kernels that stream them."""
+    attention_module = sys.modules["onepass.ops.attention"]
+    q, k, v = _qkv((2, 4, 45, head_dim), (2, 2, 45, head_dim), torch.float16, device)
+    taken = []
+    real = attention_module.kv_descriptors
+    monkeypatch.setattr(attention_module, "kv_descriptors", lambda *a: taken.append(real(*a) is not None) or real(*a))
+    results = []
+    for rows in ({64, 128, 256}, set()):
+        monkeypatch.setattr(attention_module, "FWD_TMA_ROWS", rows)
+        monkeypatch.setattr(attention_module, "DQ_TMA_ROWS", rows)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        o = ops.attention(*leaves, causal=True, window=9, softcap=3.0)
+        o.backward(torch.ones_like(o))
+        results.append([o.detach(), *(t.grad for t in leaves)])
+    assert taken == [True, True, False, False]  # forward and dQ through descriptors, then neither
+    for name, a, b in zip(("o", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
+
+
+def test_tensor_descriptors_only_where_tma_can_load(device):
+    """Pointer tiles for fp32, varlen and a tensor whose rows are not 16-byte aligned; descriptors otherwise."""
+    attention_module = sys.modules["onepass.ops.attention"]
+
+    def descriptors(k, cu_seqlens=None, layout="bhsd"):
+        g = attention_module._Geometry(k, k, layout, cu_seqlens)
+        return attention_module.kv_descriptors(g, (k, k), 16, {64})
+
+    k = torch.randn(1, 2, 40, 32, dtype=torch.float16, device=device)
+    assert descriptors(k) is not None
+    assert descriptors(k.float()) is None
+    assert descriptors(torch.randn(2 * 40 * 32 + 1, dtype=torch.float16, device=device)[1:].view(1, 2, 40, 32)) is None
+    assert descriptors(torch.randn(1, 2, 40, 40, dtype=torch.float16, device=device)[..., :32]) is not None
+    assert descriptors(torch.randn(1, 2, 40, 36, dtype=torch.float16, device=device)[..., :32]) is None  # 72-byte rows
+    packed = torch.randn(40, 2, 32, dtype=torch.float16, device=device)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32, device=device)
+    assert descriptors(packed, cu, "bshd") is None
 
 
 def test_bfloat16_small(device):

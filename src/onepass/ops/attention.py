@@ -50,6 +50,11 @@ all q heads of its kv group (so GQA needs no per-q-head dK/dV copies and no redu
 afterwards), reading that delta. This saves FlashAttention's separate preprocess kernel for
 delta (benchmarks/results/h200/attention_bwd_delta.log).
 
+Loads: the K and V tiles the forward and dQ kernels stream come through tensor descriptors (TMA:
+the hardware copies a tile to shared memory, with zeros past the tensor's edges; no address or
+mask registers) at the head dims where that was faster (FWD_TMA_ROWS, DQ_TMA_ROWS), else as
+pointer tiles, as always for fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
+
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
 without reading cu_seqlens, so no device sync); each program finds its sequence by a
@@ -126,9 +131,11 @@ CONFIGS = {
 # dQ has its own kernel over query blocks (it recomputes the scores and dP, no atomics): faster than
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
 # Head dims (rows of CONFIGS) whose forward and dQ kernels load their K and V tiles through tensor descriptors
-# (TMA) where the tensors allow (kv_descriptors).
+# (TMA) where the tensors allow (kv_descriptors), instead of pointer tiles: where each was faster at its default
+# setting (results/h200/attention_kv_tma.log); the dK/dV kernel's Q and dO tiles lost every way
+# (results/h200/attention_dkdv_tma.log).
 FWD_TMA_ROWS = {256}
-DQ_TMA_ROWS = {256}
+DQ_TMA_ROWS = {64, 128}
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1)} | dict.fromkeys(("dkdv", "dv", "dk"), (32, 64, 4, 1))
