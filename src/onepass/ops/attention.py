@@ -219,6 +219,20 @@ def _locate(n_heads, cu_starts, cu_ends, total, seqlen, n_blocks, chunk_heads, B
 
 
 @triton.jit
+def _kv_sources(k_ptr, v_ptr, b64, hk64, row64, k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
+                TMA: tl.constexpr):
+    """What tile_rows reads K and V of this program's (batch, kv head, sequence) from: the [B, H, S, D] tensor
+    descriptors themselves (TMA), or the sequence's first rows."""
+    if TMA:
+        k_src = k_ptr
+        v_src = v_ptr
+    else:
+        k_src = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
+        v_src = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    return k_src, v_src
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
@@ -244,12 +258,8 @@ def _attn_fwd_kernel(
     offs_n = row_offsets(BLOCK_N, LONG)
     offs_d = tl.arange(0, BLOCK_D)
     q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
-    if TMA:  # (k_ptr and v_ptr are [B, H, S, D] tensor descriptors)
-        k_src = k_ptr
-        v_src = v_ptr
-    else:
-        k_src = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
-        v_src = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    k_src, v_src = _kv_sources(k_ptr, v_ptr, b64, hk64, row64, k_stride_b, k_stride_h, k_stride_s, v_stride_b,
+                               v_stride_h, v_stride_s, TMA)
     hk = h // group
     q = load_rows(q_base, offs_m, q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
 
@@ -451,12 +461,8 @@ def _attn_bwd_dq_kernel(
         delta -= tl.load(dlse_ptr + stats, mask=rows < seqlen_q, other=0.0)
     tl.store(delta_ptr + stats, delta, mask=rows < seqlen_q)
     lse = _load_lse(lse_ptr, stats, rows, seqlen_q)
-    if TMA:  # (k_ptr and v_ptr are [B, H, S, D] tensor descriptors)
-        k_src = k_ptr
-        v_src = v_ptr
-    else:
-        k_src = k_ptr + b64 * k_stride_b + hk64 * k_stride_h + row64 * k_stride_s
-        v_src = v_ptr + b64 * v_stride_b + hk64 * v_stride_h + row64 * v_stride_s
+    k_src, v_src = _kv_sources(k_ptr, v_ptr, b64, hk64, row64, k_stride_b, k_stride_h, k_stride_s, v_stride_b,
+                               v_stride_h, v_stride_s, TMA)
     hk = h // group
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
