@@ -226,7 +226,7 @@ def test_bad_input_raises(call, error, words, device):
         call(q, k, v)
 
 
-@pytest.mark.parametrize("head_dim", [32, 160])  # rows 64 (DQ_TMA_ROWS) and 256 (FWD_TMA_ROWS)
+@pytest.mark.parametrize("head_dim", [32, 80, 160])  # rows 64 and 128 (DQ_TMA_ROWS), 256 (FWD_TMA_ROWS); padded
 def test_tensor_descriptor_loads_match_pointer_tiles(head_dim, device, monkeypatch):
     """K and V through tensor descriptors (TMA, zeros past the edges) give the pointer tiles' results bit for bit,
     at a padded head dim, a window and a softcap, in both kernels that stream them."""
@@ -235,6 +235,7 @@ def test_tensor_descriptor_loads_match_pointer_tiles(head_dim, device, monkeypat
     taken = []
     real = attention_module.kv_descriptors
     monkeypatch.setattr(attention_module, "kv_descriptors", lambda *a: taken.append(real(*a) is not None) or real(*a))
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
     results = []
     for rows in ({64, 128, 256}, set()):
         monkeypatch.setattr(attention_module, "FWD_TMA_ROWS", rows)
@@ -248,15 +249,18 @@ def test_tensor_descriptor_loads_match_pointer_tiles(head_dim, device, monkeypat
         assert torch.equal(a, b), name
 
 
-def test_tensor_descriptors_only_where_tma_can_load(device):
-    """Pointer tiles for fp32, varlen and a tensor whose rows are not 16-byte aligned; descriptors otherwise."""
+def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
+    """Pointer tiles for calls under TMA_MIN_FLOPS, fp32, varlen and a tensor whose rows are not 16-byte aligned;
+    descriptors otherwise."""
     attention_module = sys.modules["onepass.ops.attention"]
 
     def descriptors(k, cu_seqlens=None, layout="bhsd"):
         g = attention_module._Geometry(k, k, layout, cu_seqlens)
-        return attention_module.kv_descriptors(g, (k, k), 16, {64})
+        return attention_module.kv_descriptors(g, (k, k), 16, {64}, causal=True)
 
     k = torch.randn(1, 2, 40, 32, dtype=torch.float16, device=device)
+    assert descriptors(k) is None  # 4 * 2 * 40 * 40 * 32 / 2 FLOPs: the descriptors' host time would not pay back
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 4 * 2 * 40 * 40 * 32 / 2)
     assert descriptors(k) is not None
     assert descriptors(k.float()) is None
     assert descriptors(torch.randn(2 * 40 * 32 + 1, dtype=torch.float16, device=device)[1:].view(1, 2, 40, 32)) is None
@@ -280,7 +284,8 @@ def test_bfloat16_small(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=700, softcap=30.0)])
-def test_gpu_bf16_real_sizes(head_dim, kw):
+def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
+    monkeypatch.setattr(sys.modules["onepass.ops.attention"], "TMA_MIN_FLOPS", 0)  # descriptors where the rules say
     q, k, v = _qkv((2, 8, 1500, head_dim), (2, 2, 1500, head_dim), torch.bfloat16, "cuda")
     _check(q, k, v, torch.bfloat16, **kw)
 

@@ -136,6 +136,10 @@ CONFIGS = {
 # (results/h200/attention_dkdv_tma.log).
 FWD_TMA_ROWS = {256}
 DQ_TMA_ROWS = {64, 128}
+# Two descriptors cost a launch ~13 us of host time (a 2-core CPU) that a small call's few percent of GPU time would
+# not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take them; the smallest shape timed
+# (B8 S2048 32 heads D64 causal: 1.4e11, its dQ kernel ~0.4 ms on an H200) gained ~20 us.
+TMA_MIN_FLOPS = 1e11
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1)} | dict.fromkeys(("dkdv", "dv", "dk"), (32, 64, 4, 1))
@@ -509,14 +513,16 @@ def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
     return ("dkdv",) if config_row(head_dim) in CONFIGS["dkdv"] else ("dv", "dk")
 
 
-def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set) -> tuple | None:
+def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set,
+                   causal: bool) -> tuple | None:
     """[B, H, S, D] tensor descriptors of K and V for a kernel that streams their tiles (blocks of ``block``
-    rows), or None where it loads pointer tiles: head dims (rows of CONFIGS) off ``head_dims``, fp32, varlen
-    (a tile past a sequence's end would read the next sequence instead of zeros), a tensor TMA cannot address
-    (16-byte alignment), or a traced call (torch 2.11-2.13 capture host descriptors only when Dynamo traces
-    the launch itself, not an op's body)."""
-    if (g.varlen or config_row(g.head_dim) not in head_dims or tensors[0].dtype == torch.float32
-            or tracing(tensors[0])):
+    rows), or None where it loads pointer tiles: head dims (rows of CONFIGS) off ``head_dims``, calls under
+    TMA_MIN_FLOPS, fp32, varlen (a tile past a sequence's end would read the next sequence instead of zeros),
+    a tensor TMA cannot address (16-byte alignment), or a traced call (torch 2.11-2.13 capture host
+    descriptors only when Dynamo traces the launch itself, not an op's body)."""
+    flops = 4 * g.batch * g.heads * g.seqlen_q * g.seqlen_k * g.head_dim / (2 if causal else 1)
+    if (g.varlen or config_row(g.head_dim) not in head_dims or flops < TMA_MIN_FLOPS
+            or tensors[0].dtype == torch.float32 or tracing(tensors[0])):
         return None
     views = [g.view(t) for t in tensors]
     size = tensors[0].element_size()
@@ -601,7 +607,7 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group  # a q head's share of its K and V
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
-    descriptors = kv_descriptors(g, (k, v), block_n, FWD_TMA_ROWS)
+    descriptors = kv_descriptors(g, (k, v), block_n, FWD_TMA_ROWS, after >= 0)
     k_src, v_src = descriptors or (k, v)
     launch(_attn_fwd_kernel, grid,
         q, k_src, v_src, o, lse, g.cu(q),  # (a placeholder is an input: see dispatch.triton_op)
@@ -634,7 +640,7 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
-    descriptors = kv_descriptors(g, (k, v), block_n, DQ_TMA_ROWS)
+    descriptors = kv_descriptors(g, (k, v), block_n, DQ_TMA_ROWS, after >= 0)
     k_src, v_src = descriptors or (k, v)
     launch(_attn_bwd_dq_kernel, grid,
         q, k_src, v_src, o, do, lse, dlse if dlse is not None else lse, delta, dq, g.cu(lse),
