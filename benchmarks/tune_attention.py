@@ -127,18 +127,21 @@ def run_preset(name):
 
 @contextlib.contextmanager
 def kv_loads(tma):
-    """The forward's and dQ kernel's K and V loads at every head dim: tensor descriptors (tma) or pointer tiles."""
+    """The forward's and dQ kernel's K and V loads at every head dim and size: tensor descriptors (tma) or pointer
+    tiles."""
     tables = (attention_module.FWD_TMA_ROWS, attention_module.DQ_TMA_ROWS)
-    saved = [set(rows) for rows in tables]
+    saved = [set(rows) for rows in tables], attention_module.TMA_MIN_FLOPS
     for rows in tables:
         rows.clear()
         rows.update({64, 128, 256} if tma else ())
+    attention_module.TMA_MIN_FLOPS = 0
     try:
         yield
     finally:
-        for rows, before in zip(tables, saved):
+        for rows, before in zip(tables, saved[0]):
             rows.clear()
             rows.update(before)
+        attention_module.TMA_MIN_FLOPS = saved[1]
 
 
 def sweep_settings(dim, step):

@@ -234,7 +234,13 @@ def test_tensor_descriptor_loads_match_pointer_tiles(head_dim, device, monkeypat
     q, k, v = _qkv((2, 4, 45, head_dim), (2, 2, 45, head_dim), torch.float16, device)
     taken = []
     real = attention_module.kv_descriptors
-    monkeypatch.setattr(attention_module, "kv_descriptors", lambda *a: taken.append(real(*a) is not None) or real(*a))
+
+    def recorded(*args):
+        descriptors = real(*args)
+        taken.append(descriptors is not None)
+        return descriptors
+
+    monkeypatch.setattr(attention_module, "kv_descriptors", recorded)
     monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
     results = []
     for rows in ({64, 128, 256}, set()):
@@ -250,13 +256,15 @@ def test_tensor_descriptor_loads_match_pointer_tiles(head_dim, device, monkeypat
 
 
 def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
-    """Pointer tiles for calls under TMA_MIN_FLOPS, fp32, varlen and a tensor whose rows are not 16-byte aligned;
-    descriptors otherwise."""
+    """Pointer tiles for head dims off the rule, calls under TMA_MIN_FLOPS, fp32, varlen, a traced call, and a
+    tensor TMA cannot address (not 16-byte aligned, an expanded dim); descriptors otherwise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     attention_module = sys.modules["onepass.ops.attention"]
 
-    def descriptors(k, cu_seqlens=None, layout="bhsd"):
+    def descriptors(k, cu_seqlens=None, layout="bhsd", v=None, head_dims=(64,)):
         g = attention_module._Geometry(k, k, layout, cu_seqlens)
-        return attention_module.kv_descriptors(g, (k, k), 16, {64}, causal=True)
+        return attention_module.kv_descriptors(g, (k, k if v is None else v), 16, set(head_dims), causal=True)
 
     k = torch.randn(1, 2, 40, 32, dtype=torch.float16, device=device)
     assert descriptors(k) is None  # 4 * 2 * 40 * 40 * 32 / 2 FLOPs: the descriptors' host time would not pay back
@@ -266,9 +274,14 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
     assert descriptors(torch.randn(2 * 40 * 32 + 1, dtype=torch.float16, device=device)[1:].view(1, 2, 40, 32)) is None
     assert descriptors(torch.randn(1, 2, 40, 40, dtype=torch.float16, device=device)[..., :32]) is not None
     assert descriptors(torch.randn(1, 2, 40, 36, dtype=torch.float16, device=device)[..., :32]) is None  # 72-byte rows
+    assert descriptors(k, head_dims=(128,)) is None
+    assert descriptors(k, v=torch.randn(1, 2, 40, 36, dtype=torch.float16, device=device)[..., :32]) is None
+    assert descriptors(torch.randn(1, 1, 40, 32, dtype=torch.float16, device=device).expand(1, 2, 40, 32)) is None
     packed = torch.randn(40, 2, 32, dtype=torch.float16, device=device)
     cu = torch.tensor([0, 15, 40], dtype=torch.int32, device=device)
     assert descriptors(packed, cu, "bshd") is None
+    with FakeTensorMode() as mode:
+        assert descriptors(mode.from_tensor(k)) is None
 
 
 def test_bfloat16_small(device):

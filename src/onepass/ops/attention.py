@@ -52,8 +52,9 @@ delta (benchmarks/results/h200/attention_bwd_delta.log).
 
 Loads: the K and V tiles the forward and dQ kernels stream come through tensor descriptors (TMA:
 the hardware copies a tile to shared memory, with zeros past the tensor's edges; no address or
-mask registers) at the head dims where that was faster (FWD_TMA_ROWS, DQ_TMA_ROWS), else as
-pointer tiles, as always for fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
+mask registers) at the head dims where that was faster (FWD_TMA_ROWS, DQ_TMA_ROWS) and calls large
+enough to pay for the descriptors' host time (TMA_MIN_FLOPS), else as pointer tiles, as always for
+fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
@@ -132,13 +133,13 @@ CONFIGS = {
 # FlashAttention-2's atomic dQ inside the dK/dV kernel at every shape timed (numbers in CHANGELOG.md).
 # Head dims (rows of CONFIGS) whose forward and dQ kernels load their K and V tiles through tensor descriptors
 # (TMA) where the tensors allow (kv_descriptors), instead of pointer tiles: where each was faster at its default
-# setting (results/h200/attention_kv_tma.log); the dK/dV kernel's Q and dO tiles lost every way
-# (results/h200/attention_dkdv_tma.log).
+# setting (results/h200/attention_kv_tma.log); the dK/dV kernel's Q and dO tiles made the whole step slower at every
+# shape timed (results/h200/attention_dkdv_tma.log).
 FWD_TMA_ROWS = {256}
 DQ_TMA_ROWS = {64, 128}
-# Two descriptors cost a launch ~13 us of host time (a 2-core CPU) that a small call's few percent of GPU time would
-# not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take them; the smallest shape timed
-# (B8 S2048 32 heads D64 causal: 1.4e11, its dQ kernel ~0.4 ms on an H200) gained ~20 us.
+# Two descriptors cost a launch 6-13 us of host time (a 2-core CPU, results/host_kv_descriptors.log) that a small
+# call's few percent of GPU time would not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take
+# them; the smallest shape timed (B8 S2048 32 heads D64 causal: 1.4e11, its dQ kernel ~0.4 ms on an H200) gained ~20 us.
 TMA_MIN_FLOPS = 1e11
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
@@ -256,7 +257,8 @@ def _attn_fwd_kernel(
         seqlen_q = length
         seqlen_k = length
     offset = seqlen_k - seqlen_q
-    b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
+    hk = h // group
+    b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), row_start.to(tl.int64)
     start_m = m_block * BLOCK_M
     offs_m = start_m + row_offsets(BLOCK_M, LONG)
     offs_n = row_offsets(BLOCK_N, LONG)
@@ -264,7 +266,6 @@ def _attn_fwd_kernel(
     q_base = q_ptr + b64 * q_stride_b + h64 * q_stride_h + row64 * q_stride_s
     k_src, v_src = _kv_sources(k_ptr, v_ptr, b64, hk64, row64, k_stride_b, k_stride_h, k_stride_s, v_stride_b,
                                v_stride_h, v_stride_s, TMA)
-    hk = h // group
     q = load_rows(q_base, offs_m, q_stride_s, offs_d, seqlen_q, True, HEAD_DIM, BLOCK_D)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -274,19 +275,16 @@ def _attn_fwd_kernel(
                                           BOUND_BEFORE, BOUND_AFTER)
     if BOUND_BEFORE:  # (else no key tile lies before the unmasked run: see _tile_runs)
         acc, l_i, m_i = online_softmax_tiles(
-            acc, l_i, m_i, q, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, lo, full_lo, offs_m, offs_n,
-            offs_d,
+            acc, l_i, m_i, q, k_src, v_src, b, hk, k_stride_s, v_stride_s, lo, full_lo, offs_m, offs_n, offs_d,
             seqlen_q, seqlen_k, offset, before, after, scale, softcap,
             True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     acc, l_i, m_i = online_softmax_tiles(
-        acc, l_i, m_i, q, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_lo, full_hi, offs_m, offs_n,
-        offs_d,
+        acc, l_i, m_i, q, k_src, v_src, b, hk, k_stride_s, v_stride_s, full_lo, full_hi, offs_m, offs_n, offs_d,
         seqlen_q, seqlen_k, offset, before, after, scale, softcap,
         False, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     if BOUND_AFTER or not WHOLE_TILES:  # (else the unmasked run reaches the last key)
         acc, l_i, m_i = online_softmax_tiles(
-            acc, l_i, m_i, q, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_hi, hi, offs_m, offs_n,
-            offs_d,
+            acc, l_i, m_i, q, k_src, v_src, b, hk, k_stride_s, v_stride_s, full_hi, hi, offs_m, offs_n, offs_d,
             seqlen_q, seqlen_k, offset, before, after, scale, softcap,
             True, BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
 
@@ -400,7 +398,7 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_row_stride, v_row_stride, start, end, q_idx,
+def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, k_row_stride, v_row_stride, start, end, q_idx,
               offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap,
               MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
@@ -408,9 +406,9 @@ def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_row_strid
     """dQ of one query block from the key tiles [start, end) (K and V by tile_rows)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = tile_rows(k_src, b, hk, row_start, start_n, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
+        k = tile_rows(k_src, b, hk, start_n, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
                       BLOCK_N, BLOCK_D, TMA)
-        v = tile_rows(v_src, b, hk, row_start, start_n, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
+        v = tile_rows(v_src, b, hk, start_n, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
                       BLOCK_N, BLOCK_D, TMA)
         s, t = scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
         if MASKED:
@@ -448,7 +446,8 @@ def _attn_bwd_dq_kernel(
         seqlen_q = length
         seqlen_k = length
     offset = seqlen_k - seqlen_q
-    b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64), row_start.to(tl.int64)
+    hk = h // group
+    b64, h64, hk64, row64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), row_start.to(tl.int64)
     start_m = m_block * BLOCK_M
     q_idx = start_m + row_offsets(BLOCK_M, LONG)
     rows = q_idx
@@ -467,20 +466,19 @@ def _attn_bwd_dq_kernel(
     lse = _load_lse(lse_ptr, stats, rows, seqlen_q)
     k_src, v_src = _kv_sources(k_ptr, v_ptr, b64, hk64, row64, k_stride_b, k_stride_h, k_stride_s, v_stride_b,
                                v_stride_h, v_stride_s, TMA)
-    hk = h // group
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _tile_runs(start_m, seqlen_k, offset, before, after, BLOCK_M, BLOCK_N,
                                           BOUND_BEFORE, BOUND_AFTER)
     offs_n = row_offsets(BLOCK_N, LONG)
     if BOUND_BEFORE:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, lo, full_lo,
+        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, k_stride_s, v_stride_s, lo, full_lo,
                        q_idx, offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True,
                        BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_lo, full_hi,
+    dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, k_stride_s, v_stride_s, full_lo, full_hi,
                    q_idx, offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, False,
                    BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     if BOUND_AFTER or not WHOLE_TILES:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, row_start, k_stride_s, v_stride_s, full_hi, hi,
+        dq = _dq_tiles(dq, q, do, lse, delta, k_src, v_src, b, hk, k_stride_s, v_stride_s, full_hi, hi,
                        q_idx, offs_n, offs_d, seqlen_q, seqlen_k, offset, before, after, scale, softcap, True,
                        BOUND_BEFORE, BOUND_AFTER, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, TMA)
     store_rows(dq_ptr + b64 * dq_stride_b + h64 * dq_stride_h + row64 * dq_stride_s, rows, dq_stride_s, offs_d,
@@ -516,17 +514,18 @@ def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
 def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set,
                    causal: bool) -> tuple | None:
     """[B, H, S, D] tensor descriptors of K and V for a kernel that streams their tiles (blocks of ``block``
-    rows), or None where it loads pointer tiles: head dims (rows of CONFIGS) off ``head_dims``, calls under
-    TMA_MIN_FLOPS, fp32, varlen (a tile past a sequence's end would read the next sequence instead of zeros),
-    a tensor TMA cannot address (16-byte alignment), or a traced call (torch 2.11-2.13 capture host
+    rows), or None where it loads pointer tiles: head dims (rows of CONFIGS) off ``head_dims``, empty calls and
+    calls under TMA_MIN_FLOPS (causal halves the count; a window is not counted), fp32, varlen (a tile past a
+    sequence's end would read the next sequence instead of zeros), a tensor TMA cannot address (16-byte
+    alignment, no zero strides: an expanded tensor), or a traced call (torch 2.11-2.13 capture host
     descriptors only when Dynamo traces the launch itself, not an op's body)."""
     flops = 4 * g.batch * g.heads * g.seqlen_q * g.seqlen_k * g.head_dim / (2 if causal else 1)
-    if (g.varlen or config_row(g.head_dim) not in head_dims or flops < TMA_MIN_FLOPS
+    if (g.varlen or config_row(g.head_dim) not in head_dims or not flops or flops < TMA_MIN_FLOPS
             or tensors[0].dtype == torch.float32 or tracing(tensors[0])):
         return None
     views = [g.view(t) for t in tensors]
     size = tensors[0].element_size()
-    if any(v.data_ptr() % 16 or any(st * size % 16 for st in v.stride()[:-1]) for v in views):
+    if any(v.data_ptr() % 16 or any(not st or st * size % 16 for st in v.stride()[:-1]) for v in views):
         return None
     return tuple(TensorDescriptor.from_tensor(v, [1, 1, block, g.block_d]) for v in views)
 

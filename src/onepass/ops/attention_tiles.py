@@ -69,12 +69,12 @@ def load_rows(base, rows, row_stride, offs_d, n_rows, CHECK_ROWS: tl.constexpr, 
 
 
 @triton.jit
-def tile_rows(src, b, h, row_start, start, rows, row_stride, offs_d, n_rows, CHECK_ROWS: tl.constexpr,
+def tile_rows(src, b, h, start, rows, row_stride, offs_d, n_rows, CHECK_ROWS: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """Rows [start, start + BLOCK) of the sequence of (b, h) that starts at row_start: through a [B, H, S, D]
-    tensor descriptor (TMA; zero past the tensor's edges) or, src that sequence's first row, a pointer tile."""
+    """Rows [start, start + BLOCK) of the sequence of (b, h): through a [B, H, S, D] tensor descriptor (TMA, never
+    varlen: zero past the tensor's edges) or, src that sequence's first row, a pointer tile."""
     if TMA:
-        tile = src.load([b, h, row_start + start, 0]).reshape(BLOCK, BLOCK_D)
+        tile = src.load([b, h, start, 0]).reshape(BLOCK, BLOCK_D)
     else:
         tile = load_rows(src, rows, row_stride, offs_d, n_rows, CHECK_ROWS, HEAD_DIM, BLOCK_D)
     return tile
@@ -88,7 +88,7 @@ def store_rows(base, rows, row_stride, offs_d, n_rows, value, HEAD_DIM: tl.const
 
 @triton.jit
 def online_softmax_tiles(
-    acc, l_i, m_i, q, k_src, v_src, b, hk, row_start, k_row_stride, v_row_stride, start, end, q_idx, offs_n, offs_d,
+    acc, l_i, m_i, q, k_src, v_src, b, hk, k_row_stride, v_row_stride, start, end, q_idx, offs_n, offs_d,
     seqlen_q, seqlen_k, offset, before, after, scale, softcap,
     MASKED: tl.constexpr, BOUND_BEFORE: tl.constexpr, BOUND_AFTER: tl.constexpr, SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
@@ -96,7 +96,7 @@ def online_softmax_tiles(
     """Online softmax over the key tiles [start, end): rescale acc, l, m per tile (K and V by tile_rows)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = tile_rows(k_src, b, hk, row_start, start_n, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
+        k = tile_rows(k_src, b, hk, start_n, cols, k_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
                       BLOCK_N, BLOCK_D, TMA)
         s, _ = scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, SOFTCAP)
         if MASKED:
@@ -109,7 +109,7 @@ def online_softmax_tiles(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tile_rows(v_src, b, hk, row_start, start_n, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
+        v = tile_rows(v_src, b, hk, start_n, cols, v_row_stride, offs_d, seqlen_k, MASKED, HEAD_DIM,
                       BLOCK_N, BLOCK_D, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new

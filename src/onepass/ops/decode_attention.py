@@ -206,7 +206,7 @@ def _decode_split_kernel(
     # bounded before by the window
     acc, l_i, m_i = online_softmax_tiles(
         acc, l_i, m_i, q, k_ptr + b64 * k_stride_b + hk64 * k_stride_h, v_ptr + b64 * v_stride_b + hk64 * v_stride_h,
-        0, 0, 0, k_stride_s, v_stride_s, lo, hi, t, row_offsets(BLOCK_N, LONG), offs_d, n_tokens, seqlen,
+        0, 0, k_stride_s, v_stride_s, lo, hi, t, row_offsets(BLOCK_N, LONG), offs_d, n_tokens, seqlen,
         seqlen - n_tokens, window - 1, 0, scale, softcap, True, WINDOW, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D,
         PRECISION, False)  # (pointer tiles: no descriptor coordinates)
     o, lse = softmax_finish(acc, l_i, m_i)
