@@ -262,14 +262,15 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
 
     attention_module = sys.modules["onepass.ops.attention"]
 
-    def descriptors(k, cu_seqlens=None, layout="bhsd", v=None, head_dims=(64,)):
+    def descriptors(k, cu_seqlens=None, layout="bhsd", v=None, head_dims=(64,), before=-1):
         g = attention_module._Geometry(k, k, layout, cu_seqlens)
-        return attention_module.kv_descriptors(g, (k, k if v is None else v), 16, set(head_dims), causal=True)
+        return attention_module.kv_descriptors(g, (k, k if v is None else v), 16, set(head_dims), before, 0)
 
     k = torch.randn(1, 2, 40, 32, dtype=torch.float16, device=device)
-    assert descriptors(k) is None  # 4 * 2 * 40 * 40 * 32 / 2 FLOPs: the descriptors' host time would not pay back
-    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 4 * 2 * 40 * 40 * 32 / 2)
+    assert descriptors(k) is None  # 4 * 2 * 40 * 40 / 2 * 32 FLOPs (causal): the descriptors' host time would not pay
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 4 * 2 * 40 * 40 / 2 * 32)
     assert descriptors(k) is not None
+    assert descriptors(k, before=9) is None  # a window of 10 keys a query: a quarter of the causal count
     assert descriptors(k.float()) is None
     assert descriptors(torch.randn(2 * 40 * 32 + 1, dtype=torch.float16, device=device)[1:].view(1, 2, 40, 32)) is None
     assert descriptors(torch.randn(1, 2, 40, 40, dtype=torch.float16, device=device)[..., :32]) is not None

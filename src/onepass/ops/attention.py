@@ -511,15 +511,17 @@ def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
     return ("dkdv",) if config_row(head_dim) in CONFIGS["dkdv"] else ("dv", "dk")
 
 
-def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set,
-                   causal: bool) -> tuple | None:
+def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set, before: int,
+                   after: int) -> tuple | None:
     """[B, H, S, D] tensor descriptors of K and V for a kernel that streams their tiles (blocks of ``block``
     rows), or None where it loads pointer tiles: head dims (rows of CONFIGS) off ``head_dims``, empty calls and
-    calls under TMA_MIN_FLOPS (causal halves the count; a window is not counted), fp32, varlen (a tile past a
+    calls under TMA_MIN_FLOPS (counted over the keys a query sees: a window's width, half under a causal mask),
+    fp32, varlen (a tile past a
     sequence's end would read the next sequence instead of zeros), a tensor TMA cannot address (16-byte
     alignment, no zero strides: an expanded tensor), or a traced call (torch 2.11-2.13 capture host
     descriptors only when Dynamo traces the launch itself, not an op's body)."""
-    flops = 4 * g.batch * g.heads * g.seqlen_q * g.seqlen_k * g.head_dim / (2 if causal else 1)
+    keys = min(g.seqlen_k, before + after + 1) if before >= 0 and after >= 0 else g.seqlen_k / (2 if after >= 0 else 1)
+    flops = 4 * g.batch * g.heads * g.seqlen_q * keys * g.head_dim
     if (g.varlen or config_row(g.head_dim) not in head_dims or not flops or flops < TMA_MIN_FLOPS
             or tensors[0].dtype == torch.float32 or tracing(tensors[0])):
         return None
@@ -606,7 +608,7 @@ def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, la
     block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group  # a q head's share of its K and V
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
-    descriptors = kv_descriptors(g, (k, v), block_n, FWD_TMA_ROWS, after >= 0)
+    descriptors = kv_descriptors(g, (k, v), block_n, FWD_TMA_ROWS, before, after)
     k_src, v_src = descriptors or (k, v)
     launch(_attn_fwd_kernel, grid,
         q, k_src, v_src, o, lse, g.cu(q),  # (a placeholder is an input: see dispatch.triton_op)
@@ -639,7 +641,7 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group
     grid, seq_args = g.programs(block_m, g.heads, g.seqlen_q, kv_reread, uneven=after >= 0)
-    descriptors = kv_descriptors(g, (k, v), block_n, DQ_TMA_ROWS, after >= 0)
+    descriptors = kv_descriptors(g, (k, v), block_n, DQ_TMA_ROWS, before, after)
     k_src, v_src = descriptors or (k, v)
     launch(_attn_bwd_dq_kernel, grid,
         q, k_src, v_src, o, do, lse, dlse if dlse is not None else lse, delta, dq, g.cu(lse),
