@@ -516,11 +516,13 @@ def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head
     """[B, H, S, D] tensor descriptors of K and V for a kernel that streams their tiles (blocks of ``block``
     rows), or None where it loads pointer tiles: head dims (rows of CONFIGS) off ``head_dims``, empty calls and
     calls under TMA_MIN_FLOPS (counted over the keys a query sees: a window's width, half under a causal mask),
-    fp32, varlen (a tile past a
-    sequence's end would read the next sequence instead of zeros), a tensor TMA cannot address (16-byte
-    alignment, no zero strides: an expanded tensor), or a traced call (torch 2.11-2.13 capture host
-    descriptors only when Dynamo traces the launch itself, not an op's body)."""
-    keys = min(g.seqlen_k, before + after + 1) if before >= 0 and after >= 0 else g.seqlen_k / (2 if after >= 0 else 1)
+    fp32, varlen (a tile past a sequence's end would read the next sequence instead of zeros), a tensor TMA
+    cannot address (16-byte alignment, no zero strides: an expanded tensor), or a traced call (torch 2.11-2.13
+    capture host descriptors only when Dynamo traces the launch itself, not an op's body)."""
+    if before >= 0 and after >= 0:
+        keys = min(g.seqlen_k, before + after + 1)
+    else:
+        keys = g.seqlen_k / (2 if after >= 0 else 1)
     flops = 4 * g.batch * g.heads * g.seqlen_q * keys * g.head_dim
     if (g.varlen or config_row(g.head_dim) not in head_dims or not flops or flops < TMA_MIN_FLOPS
             or tensors[0].dtype == torch.float32 or tracing(tensors[0])):
