@@ -14,6 +14,7 @@ NEWEST := torch==2.13.0 triton==3.9.0 numpy==2.4.6
 NEWEST_TESTS := tests/ops/test_activation.py::test_matches_reference \
 	tests/ops/test_adamw.py::test_kernel_matches_reference \
 	tests/ops/test_attention.py::test_bshd_and_non_contiguous \
+	tests/ops/test_attention.py::test_tensor_descriptor_loads_match_pointer_tiles \
 	tests/ops/test_cross_entropy.py::test_rows_not_aligned_to_16_bytes \
 	tests/ops/test_decode_attention.py::test_different_lengths_per_sequence \
 	tests/ops/test_decode_linear.py::test_gated_matches_reference \
