@@ -129,19 +129,16 @@ def run_preset(name):
 def kv_loads(tma):
     """The forward's and dQ kernel's K and V loads at every head dim and size: tensor descriptors (tma) or pointer
     tiles."""
-    tables = (attention_module.FWD_TMA_ROWS, attention_module.DQ_TMA_ROWS)
-    saved = [set(rows) for rows in tables], attention_module.TMA_MIN_FLOPS
-    for rows in tables:
-        rows.clear()
-        rows.update({64, 128, 256} if tma else ())
-    attention_module.TMA_MIN_FLOPS = 0
+    rows = {64, 128, 256} if tma else set()
+    settings = {"FWD_TMA_ROWS": rows, "DQ_TMA_ROWS": rows, "TMA_MIN_FLOPS": 0}
+    saved = {name: getattr(attention_module, name) for name in settings}
+    for name, value in settings.items():
+        setattr(attention_module, name, value)
     try:
         yield
     finally:
-        for rows, before in zip(tables, saved[0]):
-            rows.clear()
-            rows.update(before)
-        attention_module.TMA_MIN_FLOPS = saved[1]
+        for name, value in saved.items():
+            setattr(attention_module, name, value)
 
 
 def sweep_settings(dim, step):
