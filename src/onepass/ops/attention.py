@@ -137,9 +137,9 @@ CONFIGS = {
 # shape timed (results/h200/attention_dkdv_tma.log).
 FWD_TMA_ROWS = {256}
 DQ_TMA_ROWS = {64, 128}
-# Two descriptors cost a launch 6-13 us of host time (a 2-core CPU, results/host_kv_descriptors.log) that a small
-# call's few percent of GPU time would not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take
-# them; the smallest shape timed (B8 S2048 32 heads D64 causal: 1.4e11, its dQ kernel ~0.4 ms on an H200) gained ~20 us.
+# Building two descriptors costs a launch host time (results/host_kv_descriptors.log) that a small call's few percent
+# of GPU time would not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take them, a bound below
+# the smallest shape timed (attention_kv_tma.log's d64; the numbers in CHANGELOG.md).
 TMA_MIN_FLOPS = 1e11
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
