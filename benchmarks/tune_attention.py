@@ -9,7 +9,8 @@ their defaults) with the time of the kernel it changes. dK/dV run as one pass ("
 "dk", see attention.dkdv_kernels): a "dkdv" setting times one pass, a "dv" or "dk" setting both passes
 (the other at its default, or at its first candidate where the head dim has none); each forward and dQ
 setting with K and V loaded through tensor descriptors ("tma") and as pointer tiles ("ptr"), as the
-"onepass, K/V ..." rows do for the whole step. ops/attention.py's CONFIGS, FWD_TMA_ROWS and DQ_TMA_ROWS
+"onepass, K/V ..." rows do for the whole step; "onepass, portable forward" keeps the tl forward where the
+Gluon one (ops/attention_hopper.py) would run. ops/attention.py's CONFIGS, FWD_TMA_ROWS and DQ_TMA_ROWS
 cite the result.
 """
 
@@ -111,6 +112,7 @@ def run_preset(name):
     for label, fn, loads in (("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION), contextlib.nullcontext()),
                              ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION), contextlib.nullcontext()),
                              ("onepass", ours, contextlib.nullcontext()),
+                             ("onepass, portable forward", ours, portable_forward()),
                              ("onepass, K/V pointer tiles", ours, kv_loads(tma=False)),
                              ("onepass, K/V descriptors", ours, kv_loads(tma=True))):
         try:
@@ -123,6 +125,17 @@ def run_preset(name):
             print(f"{label:<26} failed: {str(e)[:100]}")
     if SWEEP:
         sweep_settings(dim, fwd_bwd(ours))
+
+
+@contextlib.contextmanager
+def portable_forward():
+    """The forward through the portable (tl) kernel where the Gluon one (ops/attention_hopper.py) would run."""
+    saved = attention_module._on_hopper
+    attention_module._on_hopper = lambda t: False
+    try:
+        yield
+    finally:
+        attention_module._on_hopper = saved
 
 
 @contextlib.contextmanager
@@ -158,7 +171,8 @@ def sweep_settings(dim, step):
             for load, tma in loads:
                 label = f"{kernel:<5} {load:<3} {setting}"
                 try:
-                    with kv_loads(tma) if tma is not None else contextlib.nullcontext():
+                    with (kv_loads(tma) if tma is not None else contextlib.nullcontext(),
+                          portable_forward() if kernel == "fwd" else contextlib.nullcontext()):
                         us = sum(t for n, t in kernel_us(step).items() if KERNEL_NAMES[kernel] in n)
                     mark = " (default)" if setting == default else ""
                     print(f"{label}: {us:8.1f} us{mark}", flush=True)

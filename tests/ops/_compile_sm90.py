@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
 import onepass.ops
@@ -102,6 +103,12 @@ def cases():
         o, lse = attention._attention_fwd_launch(q, k, k, None, d ** -0.5, -1, 0 if causal else -1, None, "bhsd")
         attention._attention_bwd_launch(q, q, k, k, o, lse, None, None, d ** -0.5, -1, 0 if causal else -1, None,
                                         "bhsd")
+    hopper = ops("attention_hopper")  # the Gluon forward, bhsd and bshd memory
+    for d, causal, layout in ((64, False, "bhsd"), (128, True, "bhsd"), (128, False, "bshd")):
+        q, k = empty(1, 32, 2048, d), empty(1, 8, 2048, d)
+        if layout == "bshd":
+            q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+        hopper.forward((q, k, k), torch.empty_like(q), torch.empty(1, 32, 2048), d ** -0.5, causal)
     q, k, cu = empty(4096, 32, 128), empty(4096, 8, 128), torch.tensor([0, 1000, 4096], dtype=torch.int32)
     o, lse = attention._attention_fwd_launch(q, k, k, cu, 0.088, -1, 0, None, "bshd")  # varlen, causal
     attention._attention_bwd_launch(q, q, k, k, o, lse, None, cu, 0.088, -1, 0, None, "bshd")
@@ -169,7 +176,8 @@ def compile_recorded():
         if key in seen:
             continue
         seen.add(key)
-        triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+        source = GluonASTSource if kernel.is_gluon() else ASTSource
+        triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
         shown = {kernel.arg_names[path[0]]: v for path, v in constexprs.items() if kernel.arg_names[path[0]].isupper()}
         print(kernel.__name__, shown, {"num_warps": options.num_warps, "num_stages": options.num_stages}, flush=True)
 

@@ -285,6 +285,52 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
         assert descriptors(mode.from_tensor(k)) is None
 
 
+def test_hopper_forward_only_where_it_covers(device, monkeypatch):
+    """Which calls take the Gluon forward (attention_hopper; its launch recorded here, as on a Hopper GPU): head dim 128
+    full or causal and 64 full, whole 128-row tiles, bhsd or bshd memory, k and v alike; not a window, a softcap,
+    varlen, fp32, a padded or other head dim, head dim 64 causal, a part tile, more keys than queries, an expanded or
+    odd-strided k, unlike k and v, or a call under TMA_MIN_FLOPS. The others launch the portable kernel."""
+    attention_module = sys.modules["onepass.ops.attention"]
+    hopper = pytest.importorskip("onepass.ops.attention_hopper")
+    taken = []
+    monkeypatch.setattr(attention_module, "_on_hopper", lambda t: True)
+    monkeypatch.setattr(attention_module, "launch", lambda *args, **meta: taken.append("portable"))
+    monkeypatch.setattr(hopper, "forward", lambda *args: taken.append("hopper"))
+
+    def route(q, k, v=None, **kw):
+        taken.clear()
+        ops.attention(q, k, k if v is None else v, **kw)
+        return taken[0]
+
+    def t(*shape, dtype=torch.float16):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    q, k = t(1, 4, 256, 128), t(1, 2, 256, 128)
+    assert route(q, k) == "portable"  # 4 * 4 * 256 * 256 * 128 FLOPs: under TMA_MIN_FLOPS
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
+    assert route(q, k) == route(q, k, causal=True) == route(t(1, 4, 256, 64), t(1, 2, 256, 64)) == "hopper"
+    bshd_q, bshd_k = t(1, 256, 4, 128), t(1, 256, 2, 128)
+    assert route(bshd_q, bshd_k, layout="bshd") == "hopper"
+    assert route(bshd_q.transpose(1, 2), bshd_k.transpose(1, 2)) == "hopper"  # bshd memory, bhsd views
+    qkv = t(2, 256, 8 * 128)  # a fused projection's slices
+    assert route(*(qkv[..., a:b].view(2, 256, -1, 128) for a, b in ((0, 512), (512, 768), (768, 1024))),
+                 layout="bshd") == "hopper"
+    assert route(q, t(1, 2, 256, 144)[..., :128]) == "hopper"  # rows 288 bytes apart
+    for call in (dict(causal=True, window=64), dict(softcap=30.0), dict(causal=True, scale=0.5)):
+        assert route(q, k, **call) == ("hopper" if "scale" in call else "portable"), call
+    assert route(q[..., :64], k[..., :64], causal=True) == "portable"
+    assert route(t(1, 4, 256, 80), t(1, 2, 256, 80)) == "portable"
+    assert route(t(1, 4, 256, 128, dtype=torch.float32), t(1, 2, 256, 128, dtype=torch.float32)) == "portable"
+    assert route(q[:, :, :200], k[:, :, :200]) == "portable"  # a part tile
+    assert route(q[:, :, :128], k) == "portable"  # more keys than queries
+    assert route(q, t(1, 1, 256, 128).expand(1, 2, 256, 128)) == "portable"
+    assert route(q, t(1, 2, 256, 132)[..., :128]) == "portable"  # rows 264 bytes apart: TMA needs 16-byte steps
+    assert route(q, k, bshd_k.transpose(1, 2)) == "portable"  # k and v laid out differently
+    packed = t(256, 4, 128)
+    cu = torch.tensor([0, 128, 256], dtype=torch.int32, device=device)
+    assert route(packed, t(256, 2, 128), layout="bshd", cu_seqlens=cu) == "portable"
+
+
 def test_bfloat16_small(device):
     """bfloat16 at small sizes: the kernels on a GPU; in Triton's interpreter, whose tl.dot on
     bfloat16 tiles returns garbage (values of 1e8), the reference."""
@@ -302,6 +348,33 @@ def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
     monkeypatch.setattr(sys.modules["onepass.ops.attention"], "TMA_MIN_FLOPS", 0)  # descriptors where the rules say
     q, k, v = _qkv((2, 8, 1500, head_dim), (2, 2, 1500, head_dim), torch.bfloat16, "cuda")
     _check(q, k, v, torch.bfloat16, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, kw", [(64, dict()), (128, dict()), (128, dict(causal=True)),
+                                          (128, dict(causal=True, layout="bshd"))])
+def test_gpu_hopper_forward(head_dim, kw, monkeypatch):
+    """The Gluon forward (on a Hopper GPU it must take these calls) against the float64 reference, its LSE feeding
+    the portable backward, grouped-query heads, 12 query blocks; and at another scale against the portable kernel."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward runs on compute capability 9 only")
+    import onepass.ops.attention_hopper as attention_hopper
+
+    attention_module = sys.modules["onepass.ops.attention"]
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
+    taken, forward = [], attention_hopper.forward
+    monkeypatch.setattr(attention_hopper, "forward", lambda *args: taken.append(True) or forward(*args))
+    bshd = kw.get("layout") == "bshd"
+    q, k, v = _qkv((2, 1536, 8, head_dim) if bshd else (2, 8, 1536, head_dim),
+                   (2, 1536, 2, head_dim) if bshd else (2, 2, 1536, head_dim), torch.bfloat16, "cuda")
+    _check(q, k, v, torch.bfloat16, use_lse=True, **kw)
+    assert taken == [True]
+    o, lse = ops.attention(q, k, v, scale=0.05, return_lse=True, **kw)
+    monkeypatch.setattr(attention_module, "_on_hopper", lambda t: False)
+    portable_o, portable_lse = ops.attention(q, k, v, scale=0.05, return_lse=True, **kw)
+    assert taken == [True, True]
+    assert_close(o, portable_o, torch.bfloat16, "output at scale 0.05")
+    assert_close(lse, portable_lse, torch.bfloat16, "lse at scale 0.05")
 
 
 @pytest.mark.gpu

@@ -56,6 +56,11 @@ mask registers) at the head dims where that was faster (FWD_TMA_ROWS, DQ_TMA_ROW
 enough to pay for the descriptors' host time (TMA_MIN_FLOPS), else as pointer tiles, as always for
 fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
 
+Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 128 (full or causal) or 64 (full) over whole
+128-row tiles run the Gluon forward of ``attention_hopper`` instead (FlashAttention-3's structure: a producer warp,
+two consumer warpgroups, each tile's q k^T issued before the previous tile's P V), which writes the same O and LSE;
+the backward is this file's either way.
+
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
 without reading cu_seqlens, so no device sync); each program finds its sequence by a
@@ -519,11 +524,7 @@ def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head
     fp32, varlen (a tile past a sequence's end would read the next sequence instead of zeros), a tensor TMA
     cannot address (16-byte alignment, no zero strides: an expanded tensor), or a traced call (torch 2.11-2.13
     capture host descriptors only when Dynamo traces the launch itself, not an op's body)."""
-    if before >= 0 and after >= 0:
-        keys = min(g.seqlen_k, before + after + 1)
-    else:
-        keys = g.seqlen_k / (2 if after >= 0 else 1)
-    flops = 4 * g.batch * g.heads * g.seqlen_q * keys * g.head_dim
+    flops = g.flops(before, after)
     if (g.varlen or config_row(g.head_dim) not in head_dims or not flops or flops < TMA_MIN_FLOPS
             or tensors[0].dtype == torch.float32 or tracing(tensors[0])):
         return None
@@ -587,6 +588,14 @@ class _Geometry:
         chunk_heads = min(heads, max(in_l2, waves))
         return (heads * n_blocks,), (self.n_seqs, self.total, n_blocks, chunk_heads)
 
+    def flops(self, before: int, after: int) -> float:
+        """The forward's FLOPs counted over the keys a query sees: a window's width, half under a causal mask."""
+        if before >= 0 and after >= 0:
+            keys = min(self.seqlen_k, before + after + 1)
+        else:
+            keys = self.seqlen_k / (2 if after >= 0 else 1)
+        return 4 * self.batch * self.heads * self.seqlen_q * keys * self.head_dim
+
     def reread_bytes(self, seqlen: int, element_size: int) -> int:
         """Bytes of two [seqlen, D] tiles of one head (varlen: of an average sequence)."""
         rows = cdiv(self.total, self.n_seqs) if self.varlen else seqlen
@@ -600,12 +609,33 @@ class _Geometry:
         return self.cu_seqlens if self.varlen else fallback
 
 
+def _on_hopper(t: Tensor) -> bool:
+    """Whether ``t`` lies on a GPU of compute capability 9 (H100, H200), outside Triton's interpreter."""
+    return t.is_cuda and not interpreting() and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
+def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
+    """Run the Gluon forward of ``attention_hopper`` where it covers the call (its docstring), writing o and lse;
+    False where the portable kernel runs. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a
+    Triton without this form of it still imports onepass."""
+    if not (q.dtype != torch.float32 and not g.varlen and before < 0 and after <= 0 and not softcap
+            and not tracing(q) and g.flops(before, after) >= TMA_MIN_FLOPS and _on_hopper(q)):
+        return False
+    from onepass.ops import attention_hopper
+
+    views = (g.view(q), g.view(k), g.view(v))
+    if not attention_hopper.fits(views, after == 0):
+        return False
+    attention_hopper.forward(views, g.view(o), lse, scale, after == 0)
+    return True
+
+
 def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     g = _Geometry(q, k, layout, cu_seqlens)
     o = empty_output(q)
     lse = torch.empty(g.lse_shape(), dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
+    if q.numel() == 0 or _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap):
         return o, lse
     block_m, block_n, num_warps, num_stages = launch_config("fwd", g.head_dim, q.dtype)
     kv_reread = g.reread_bytes(g.seqlen_k, k.element_size()) // g.group  # a q head's share of its K and V
