@@ -146,6 +146,10 @@ DQ_TMA_ROWS = {64, 128}
 # of GPU time would not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take them, a bound below
 # the smallest shape timed (attention_kv_tma.log's d64; the numbers in CHANGELOG.md).
 TMA_MIN_FLOPS = 1e11
+# Triton releases whose Gluon API (experimental, renamed between releases) the Hopper forward is written for: 3.6 run
+# on a GPU (results/h200/attention_gluon_fwd.log), 3.7 compiled for sm_90 by tests/ops/_compile_sm90.py on a CPU, not
+# run on a GPU. Others take the portable forward.
+GLUON_TRITONS = ("3.6.", "3.7.")
 # fp32 inputs (tests on a GPU): full-fp32 dots run on FMA units, not wgmma; small tiles and no
 # pipelining keep shared memory in bounds at every head dim.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1)} | dict.fromkeys(("dkdv", "dv", "dk"), (32, 64, 4, 1))
@@ -610,8 +614,10 @@ class _Geometry:
 
 
 def _on_hopper(t: Tensor) -> bool:
-    """Whether ``t`` lies on a GPU of compute capability 9 (H100, H200), outside Triton's interpreter."""
-    return t.is_cuda and not interpreting() and torch.cuda.get_device_capability(t.device)[0] == 9
+    """Whether ``t`` lies on a GPU of compute capability 9 (H100, H200), outside Triton's interpreter, with a Triton
+    whose Gluon API ``attention_hopper`` is written for (GLUON_TRITONS)."""
+    return (t.is_cuda and not interpreting() and triton.__version__.startswith(GLUON_TRITONS)
+            and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
 def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:

@@ -14,7 +14,7 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
   gained a third as much: the log).
 
 The output and the natural-log LSE are the portable kernel's, so its backward is unchanged. Calls covered
-(``fits``): a CUDA device of compute capability 9, 16-bit q/k/v, a head dim and mask in GLUON_FWD, no window,
+(``fits``): a CUDA device of compute capability 9 and a Triton of attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD, no window,
 softcap or varlen, as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture
 the host tensor descriptors), at least attention.TMA_MIN_FLOPS, and q, k, v whose [S, D] rows lie as TMA can
 address them (``rows_2d``). Gluon kernels do not run in Triton's interpreter: CI compiles this one for sm_90
@@ -45,6 +45,8 @@ BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 STAGES = 3  # K/V tiles in flight; 3 of [128, 128] 16-bit K and V tiles and Q fill 224 KiB of shared memory
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
 LOG2E = 1.4426950408889634
+# a barrier of the calling partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -93,7 +95,7 @@ def _step(j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, MASK, BLOCK_N, s_layout)
     o = warpgroup_mma_wait(0, deps=(o_tok, ))
-    gl.thread_barrier()  # the warpgroup's 4 warps are done with tile j-1's K and V: one arrival for all
+    _barrier()  # the warpgroup's 4 warps are done with tile j-1's K and V: one arrival for all
     mbarrier.arrive(kv_empty.index(prev))
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return o, gl.convert_layout(p.to(p_op.dtype), p_layout), m_i, l_i
@@ -147,7 +149,7 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     my_q.store(o.to(dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
     fence_async_shared()
-    gl.thread_barrier()
+    _barrier()
     tma.async_copy_shared_to_global(o_desc, [o_row + HALF * WG_M, o_col], my_q)
     gl.store(lse_ptr + lse_row + rows, (m_i + gl.log2(l_i)) / 1.4426950408889634)
     tma.store_wait(0)
