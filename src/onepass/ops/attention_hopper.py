@@ -14,11 +14,12 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
   gained a third as much: the log).
 
 The output and the natural-log LSE are the portable kernel's, so its backward is unchanged. Calls covered
-(``fits``): a CUDA device of compute capability 9 and a Triton of attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD, no window,
-softcap or varlen, as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture
-the host tensor descriptors), at least attention.TMA_MIN_FLOPS, and q, k, v whose [S, D] rows lie as TMA can
-address them (``rows_2d``). Gluon kernels do not run in Triton's interpreter: CI compiles this one for sm_90
-(tests/ops/_compile_sm90.py), and tests/ops/test_attention.py checks it against the portable kernel on a GPU.
+(attention's launcher, then ``fits``): a CUDA device of compute capability 9 with a Triton of
+attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD, no window, softcap or varlen, as many
+queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host tensor descriptors), at
+least attention.TMA_MIN_FLOPS, and q, k, v whose [S, D] rows lie as TMA can address them (``rows_2d``).
+Gluon kernels do not run in Triton's interpreter: CI compiles this one for sm_90 (tests/ops/_compile_sm90.py),
+and tests/ops/test_attention.py checks it against the float64 reference and the portable kernel on a GPU.
 """
 
 from __future__ import annotations
