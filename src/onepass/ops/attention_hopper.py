@@ -45,7 +45,7 @@ GLUON_FWD = {(64, False), (128, False), (128, True)}
 BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 STAGES = 3  # K/V tiles in flight; 3 of [128, 128] 16-bit K and V tiles and Q fill 224 KiB of shared memory
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
-LOG2E = 1.4426950408889634
+LOG2E = gl.constexpr(1.4426950408889634)
 # a barrier of the calling partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -152,7 +152,7 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     fence_async_shared()
     _barrier()
     tma.async_copy_shared_to_global(o_desc, [o_row + HALF * WG_M, o_col], my_q)
-    gl.store(lse_ptr + lse_row + rows, (m_i + gl.log2(l_i)) / 1.4426950408889634)
+    gl.store(lse_ptr + lse_row + rows, (m_i + gl.log2(l_i)) / LOG2E)
     tma.store_wait(0)
 
 
@@ -228,8 +228,8 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
     descriptors = [TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK, D], layout) for t in (q2, k2, v2)]
     descriptors.append(TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [BLOCK // 2, D], half))
     grid = (B * H, S // BLOCK) if causal else (S // BLOCK, B * H)
-    launch(_attn_fwd_hopper_kernel, grid, *descriptors, lse, S, H, H // k.shape[1], scale * LOG2E, *q_at, *k_at, *o_at,
-           HEAD_DIM=D, BLOCK=BLOCK, STAGES=STAGES, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch(_attn_fwd_hopper_kernel, grid, *descriptors, lse, S, H, H // k.shape[1], scale * LOG2E.value, *q_at, *k_at,
+           *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=STAGES, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
 
 
 def fits(views: tuple[Tensor, ...], causal: bool) -> bool:
