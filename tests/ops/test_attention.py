@@ -295,7 +295,7 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     taken = []
     monkeypatch.setattr(attention_module, "_on_hopper", lambda t: True)
     monkeypatch.setattr(attention_module, "launch", lambda *args, **meta: taken.append("portable"))
-    monkeypatch.setattr(hopper, "forward", lambda *args: taken.append("hopper"))
+    monkeypatch.setattr(hopper, "launch", lambda *args, **meta: taken.append("hopper"))
 
     def route(q, k, v=None, **kw):
         taken.clear()
@@ -363,7 +363,7 @@ def test_gpu_hopper_forward(head_dim, kw, monkeypatch):
     attention_module = sys.modules["onepass.ops.attention"]
     monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
     taken, forward = [], attention_hopper.forward
-    monkeypatch.setattr(attention_hopper, "forward", lambda *args: taken.append(True) or forward(*args))
+    monkeypatch.setattr(attention_hopper, "forward", lambda *args: taken.append(forward(*args)) or taken[-1])
     bshd = kw.get("layout") == "bshd"
     q, k, v = _qkv((2, 1536, 8, head_dim) if bshd else (2, 8, 1536, head_dim),
                    (2, 1536, 2, head_dim) if bshd else (2, 2, 1536, head_dim), torch.bfloat16, "cuda")

@@ -629,11 +629,7 @@ def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
         return False
     from onepass.ops import attention_hopper
 
-    views = (g.view(q), g.view(k), g.view(v))
-    if not attention_hopper.fits(views, after == 0):
-        return False
-    attention_hopper.forward(views, g.view(o), lse, scale, after == 0)
-    return True
+    return attention_hopper.forward((g.view(q), g.view(k), g.view(v)), g.view(o), lse, scale, after == 0)
 
 
 def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):

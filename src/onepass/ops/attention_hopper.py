@@ -14,7 +14,7 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
   gained a third as much: the log).
 
 The output and the natural-log LSE are the portable kernel's, so its backward is unchanged. Calls covered
-(attention's launcher, then ``fits``): a CUDA device of compute capability 9 with a Triton of
+(attention's launcher, then ``forward``): a CUDA device of compute capability 9 with a Triton of
 attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD, no window, softcap or varlen, as many
 queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host tensor descriptors), at
 least attention.TMA_MIN_FLOPS, and q, k, v whose [S, D] rows lie as TMA can address them (``rows_2d``).
@@ -216,30 +216,25 @@ def rows_2d(t: Tensor) -> tuple[Tensor, int, int, int] | None:
     return None
 
 
-def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool) -> None:
-    """Write o ([B, H, S, D] view of a new output) and lse [B, H, S] from the [B, H, S, D] views of q, k, v, for a
-    call ``fits`` takes."""
+def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool) -> bool:
+    """Write o ([B, H, S, D] view of a new output) and lse [B, H, S] from the [B, H, S, D] views of q, k, v, and
+    return True, for a call this forward covers beyond what attention's launcher checked (device, dtype, mask,
+    varlen, size, tracing): the head dim and mask, whole tiles, as many queries as keys, the views' strides, k and v
+    laid out alike (one set of coordinates). Else False, nothing written."""
     q, k, v = views
     B, H, S, D = q.shape
+    if (D, causal) not in GLUON_FWD or S % BLOCK or k.shape[2] != S:
+        return False
+    at = [rows_2d(t) for t in (q, k, v, o)]
+    if None in at or at[1][1:] != at[2][1:]:
+        return False
+    (q2, *q_at), (k2, *k_at), (v2, _, _, _), (o2, *o_at) = at
     element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], element)
     half = gl.NVMMASharedLayout.get_default_for([BLOCK // 2, D], element)
-    (q2, *q_at), (k2, *k_at), (v2, _, _, _), (o2, *o_at) = (rows_2d(t) for t in (q, k, v, o))
     descriptors = [TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK, D], layout) for t in (q2, k2, v2)]
     descriptors.append(TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [BLOCK // 2, D], half))
     grid = (B * H, S // BLOCK) if causal else (S // BLOCK, B * H)
     launch(_attn_fwd_hopper_kernel, grid, *descriptors, lse, S, H, H // k.shape[1], scale * LOG2E.value, *q_at, *k_at,
            *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=STAGES, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-
-
-def fits(views: tuple[Tensor, ...], causal: bool) -> bool:
-    """Whether ``forward`` covers a call whose other conditions (device, dtype, mask, varlen, size, tracing)
-    attention's launcher checked: the head dim and mask, whole tiles, as many queries as keys, the views'
-    strides, k and v laid out alike (one set of coordinates)."""
-    q, k, v = views
-    seqlen, head_dim = q.shape[2], q.shape[3]
-    if (head_dim, causal) not in GLUON_FWD or seqlen % BLOCK or k.shape[2] != seqlen:
-        return False
-    at = [rows_2d(t) for t in views]
-    return None not in at and at[1][1:] == at[2][1:]
-
+    return True
