@@ -520,6 +520,13 @@ def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
     return ("dkdv",) if config_row(head_dim) in CONFIGS["dkdv"] else ("dv", "dk")
 
 
+def _descriptor_call(g: "_Geometry", t: Tensor, before: int, after: int) -> bool:
+    """Whether a call may load through host tensor descriptors (kv_descriptors, the Hopper forward): not varlen,
+    not empty, at least TMA_MIN_FLOPS (counted over the keys a query sees), 16-bit, untraced."""
+    flops = g.flops(before, after)
+    return not (g.varlen or not flops or flops < TMA_MIN_FLOPS or t.dtype == torch.float32 or tracing(t))
+
+
 def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set, before: int,
                    after: int) -> tuple | None:
     """[B, H, S, D] tensor descriptors of K and V for a kernel that streams their tiles (blocks of ``block``
@@ -528,9 +535,7 @@ def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head
     fp32, varlen (a tile past a sequence's end would read the next sequence instead of zeros), a tensor TMA
     cannot address (16-byte alignment, no zero strides: an expanded tensor), or a traced call (torch 2.11-2.13
     capture host descriptors only when Dynamo traces the launch itself, not an op's body)."""
-    flops = g.flops(before, after)
-    if (g.varlen or config_row(g.head_dim) not in head_dims or not flops or flops < TMA_MIN_FLOPS
-            or tensors[0].dtype == torch.float32 or tracing(tensors[0])):
+    if config_row(g.head_dim) not in head_dims or not _descriptor_call(g, tensors[0], before, after):
         return None
     views = [g.view(t) for t in tensors]
     size = tensors[0].element_size()
@@ -624,8 +629,7 @@ def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
     """Run the Gluon forward of ``attention_hopper`` where it covers the call (its docstring), writing o and lse;
     False where the portable kernel runs. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a
     Triton without this form of it still imports onepass."""
-    if not (q.dtype != torch.float32 and not g.varlen and before < 0 and after <= 0 and not softcap
-            and not tracing(q) and g.flops(before, after) >= TMA_MIN_FLOPS and _on_hopper(q)):
+    if not (before < 0 and after <= 0 and not softcap and _descriptor_call(g, q, before, after) and _on_hopper(q)):
         return False
     from onepass.ops import attention_hopper
 
