@@ -10,8 +10,8 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
   query rows [0, 64) and [64, 128), each releasing a K/V stage when done with it;
 - a consumer issues tile j's q k^T before tile j-1's P V and waits for the q k^T alone (one wgmma group left
   outstanding), so tile j's softmax runs while P V does; the two consumers, separate partitions, never wait
-  for each other, and one's softmax runs under the other's matmuls (in one partition of 8 warps the same loop
-  gained a third as much: the log).
+  for each other, and one's softmax runs under the other's matmuls (one partition of 8 warps, in lockstep, gained
+  much less: the log).
 
 The output and the natural-log LSE are the portable kernel's, so its backward is unchanged. Calls covered
 (attention's launcher, then ``forward``): a CUDA device of compute capability 9 with a Triton of
