@@ -9,9 +9,10 @@ their defaults) with the time of the kernel it changes. dK/dV run as one pass ("
 "dk", see attention.dkdv_kernels): a "dkdv" setting times one pass, a "dv" or "dk" setting both passes
 (the other at its default, or at its first candidate where the head dim has none); each forward and dQ
 setting with K and V loaded through tensor descriptors ("tma") and as pointer tiles ("ptr"), as the
-"onepass, K/V ..." rows do for the whole step; "onepass, portable forward" keeps the tl forward where the
-Gluon one (ops/attention_hopper.py) would run. ops/attention.py's CONFIGS, FWD_TMA_ROWS and DQ_TMA_ROWS
-cite the result.
+"onepass, K/V ..." rows do for the whole step; "onepass, portable kernels" keeps the tl kernels where the
+Gluon ones (ops/attention_hopper.py) would run, "onepass, portable backward" the tl backward only (the sweep
+times the tl kernels: portable throughout). ops/attention.py's CONFIGS, FWD_TMA_ROWS and DQ_TMA_ROWS cite the
+result.
 """
 
 import contextlib
@@ -32,6 +33,7 @@ PRESETS = {
     "d64": (8, 32, 8, 2048, 64, True),
     "d128": (2, 32, 8, 8192, 128, False),
     "d128-causal": (1, 28, 4, 16384, 128, True),
+    "d128-causal-4k": (4, 32, 8, 4096, 128, True),
     "d256": (2, 8, 4, 8192, 256, True),
 }
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and head dim
@@ -112,7 +114,8 @@ def run_preset(name):
     for label, fn, loads in (("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION), contextlib.nullcontext()),
                              ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION), contextlib.nullcontext()),
                              ("onepass", ours, contextlib.nullcontext()),
-                             ("onepass, portable forward", ours, portable_forward()),
+                             ("onepass, portable backward", ours, portable("_hopper_backward")),
+                             ("onepass, portable kernels", ours, portable()),
                              ("onepass, K/V pointer tiles", ours, kv_loads(tma=False)),
                              ("onepass, K/V descriptors", ours, kv_loads(tma=True))):
         try:
@@ -128,14 +131,15 @@ def run_preset(name):
 
 
 @contextlib.contextmanager
-def portable_forward():
-    """The forward through the portable (tl) kernel where the Gluon one (ops/attention_hopper.py) would run."""
-    saved = attention_module._on_hopper
-    attention_module._on_hopper = lambda t: False
+def portable(name="_on_hopper"):
+    """The portable (tl) kernels where the Gluon ones (ops/attention_hopper.py) would run: the forward and the
+    backward (name "_on_hopper"), or the backward only ("_hopper_backward")."""
+    saved = getattr(attention_module, name)
+    setattr(attention_module, name, lambda *args: False)
     try:
         yield
     finally:
-        attention_module._on_hopper = saved
+        setattr(attention_module, name, saved)
 
 
 @contextlib.contextmanager
@@ -171,8 +175,7 @@ def sweep_settings(dim, step):
             for load, tma in loads:
                 label = f"{kernel:<5} {load:<3} {setting}"
                 try:
-                    with (kv_loads(tma) if tma is not None else contextlib.nullcontext(),
-                          portable_forward() if kernel == "fwd" else contextlib.nullcontext()):
+                    with kv_loads(tma) if tma is not None else contextlib.nullcontext(), portable():
                         us = sum(t for n, t in kernel_us(step).items() if KERNEL_NAMES[kernel] in n)
                     mark = " (default)" if setting == default else ""
                     print(f"{label}: {us:8.1f} us{mark}", flush=True)

@@ -331,6 +331,44 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     assert route(packed, t(256, 2, 128), layout="bshd", cu_seqlens=cu) == "portable"
 
 
+def test_hopper_backward_only_where_it_covers(device, monkeypatch):
+    """Which backward calls take the Gluon kernels (their launches recorded, as on a Hopper GPU): head dim 128 full or
+    causal, grouped-query heads, bhsd or bshd memory, fused q/k/v slices, a gradient into the LSE; not head dim 64,
+    a window, a softcap, a part tile, or a dO whose rows TMA cannot address. The others launch the portable ones."""
+    attention_module = sys.modules["onepass.ops.attention"]
+    hopper = pytest.importorskip("onepass.ops.attention_hopper")
+    taken = []
+    monkeypatch.setattr(attention_module, "_on_hopper", lambda t: True)
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
+    monkeypatch.setattr(attention_module, "launch", lambda *args, **meta: taken.append("portable"))
+    monkeypatch.setattr(hopper, "launch", lambda *args, **meta: taken.append("hopper"))
+
+    def route(q, k, v=None, do=None, with_lse=False, **kw):
+        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+        v = k if v is None else v.detach().requires_grad_()
+        o, lse = ops.attention(q, k, v, return_lse=True, **kw)
+        do = torch.zeros_like(o) if do is None else do
+        taken.clear()
+        torch.autograd.backward([o, lse] if with_lse else [o], [do, torch.ones_like(lse)] if with_lse else [do])
+        return set(taken)
+
+    def t(*shape):
+        return torch.zeros(shape, dtype=torch.float16, device=device)
+
+    q, k = t(1, 4, 256, 128), t(1, 2, 256, 128)
+    assert route(q, k) == route(q, k, causal=True) == route(q, k, with_lse=True) == {"hopper"}
+    assert route(t(1, 256, 4, 128), t(1, 256, 2, 128), layout="bshd") == {"hopper"}
+    qkv = t(2, 256, 8 * 128)  # a fused projection's slices
+    assert route(*(qkv[..., a:b].view(2, 256, -1, 128) for a, b in ((0, 512), (512, 768), (768, 1024))),
+                 layout="bshd") == {"hopper"}
+    assert route(q, k, do=t(1, 256, 4, 128).transpose(1, 2)) == {"hopper"}  # dO in another memory order
+    for call in (dict(causal=True, window=64), dict(softcap=30.0)):
+        assert route(q, k, **call) == {"portable"}, call
+    assert route(q[..., :64], k[..., :64]) == route(q[..., :64], k[..., :64], causal=True) == {"portable"}
+    assert route(q[:, :, :200], k[:, :, :200]) == {"portable"}  # a part tile
+    assert route(q, k, do=t(1, 4, 256, 132)[..., :128]) == {"portable"}  # dO rows 264 bytes apart
+
+
 def test_bfloat16_small(device):
     """bfloat16 at small sizes: the kernels on a GPU; in Triton's interpreter, whose tl.dot on
     bfloat16 tiles returns garbage (values of 1e8), the reference."""
@@ -353,28 +391,41 @@ def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, kw", [(64, dict()), (128, dict()), (128, dict(causal=True)),
                                           (128, dict(causal=True, layout="bshd"))])
-def test_gpu_hopper_forward(head_dim, kw, monkeypatch):
-    """The Gluon forward (on a Hopper GPU it must take these calls) against the float64 reference, its LSE feeding
-    the portable backward, grouped-query heads, 12 query blocks; and at another scale against the portable kernel."""
+def test_gpu_hopper_kernels(head_dim, kw, monkeypatch):
+    """The Gluon forward and (GLUON_BWD) backward, which on a Hopper GPU must take these calls, against the float64
+    reference with a gradient into the LSE, grouped-query heads, 12 query blocks; and at another scale against the
+    portable kernels."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward runs on compute capability 9 only")
+        pytest.skip("the Gluon kernels run on compute capability 9 only")
     import onepass.ops.attention_hopper as attention_hopper
 
     attention_module = sys.modules["onepass.ops.attention"]
     monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
-    taken, forward = [], attention_hopper.forward
-    monkeypatch.setattr(attention_hopper, "forward", lambda *args: taken.append(forward(*args)) or taken[-1])
+    taken = []
+    for name in ("forward", "backward"):
+        run = getattr(attention_hopper, name)
+        monkeypatch.setattr(attention_hopper, name, lambda *args, run=run, name=name:
+                            taken.append((name, run(*args))) or taken[-1][1])
     bshd = kw.get("layout") == "bshd"
     q, k, v = _qkv((2, 1536, 8, head_dim) if bshd else (2, 8, 1536, head_dim),
                    (2, 1536, 2, head_dim) if bshd else (2, 2, 1536, head_dim), torch.bfloat16, "cuda")
     _check(q, k, v, torch.bfloat16, use_lse=True, **kw)
-    assert taken == [True]
-    o, lse = ops.attention(q, k, v, scale=0.05, return_lse=True, **kw)
+    gluon_backward = (head_dim, kw.get("causal", False)) in attention_hopper.GLUON_BWD
+    assert taken == [("forward", True), ("backward", gluon_backward)]
+    do, dlse = torch.randn_like(q), torch.randn(2, 8, 1536, device="cuda")
+
+    def outputs():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o, lse = ops.attention(*leaves, scale=0.05, return_lse=True, **kw)
+        torch.autograd.backward([o, lse], [do, dlse])
+        return o, lse, *(t.grad for t in leaves)
+
+    gluon = outputs()
     monkeypatch.setattr(attention_module, "_on_hopper", lambda t: False)
-    portable_o, portable_lse = ops.attention(q, k, v, scale=0.05, return_lse=True, **kw)
-    assert taken == [True, True]
-    assert_close(o, portable_o, torch.bfloat16, "output at scale 0.05")
-    assert_close(lse, portable_lse, torch.bfloat16, "lse at scale 0.05")
+    portable = outputs()
+    assert len(taken) == 4
+    for name, a, b in zip(("output", "lse", "dq", "dk", "dv"), gluon, portable):
+        assert_close(a, b, torch.bfloat16, name + " at scale 0.05")
 
 
 @pytest.mark.gpu

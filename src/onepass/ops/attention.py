@@ -59,7 +59,7 @@ fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
 Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 128 (full or causal) or 64 (full) over whole
 128-row tiles run the Gluon forward of ``attention_hopper`` instead (FlashAttention-3's structure: a producer warp,
 two consumer warpgroups, each tile's q k^T issued before the previous tile's P V), which writes the same O and LSE;
-the backward is this file's either way.
+at head dim 128 (full or causal) its backward too: dQ (and delta), then dK/dV, in the same structure.
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
@@ -625,15 +625,29 @@ def _on_hopper(t: Tensor) -> bool:
             and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
-def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
-    """Run the Gluon forward of ``attention_hopper`` where it covers the call (its docstring), writing o and lse;
-    False where the portable kernel runs. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a
-    Triton without this form of it still imports onepass."""
+def _hopper(g, q, before, after, softcap):
+    """``attention_hopper`` where a call may take its Gluon kernels (which then check the rest: their docstrings),
+    else None. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a Triton without this form of
+    it still imports onepass."""
     if not (before < 0 and after <= 0 and not softcap and _descriptor_call(g, q, before, after) and _on_hopper(q)):
-        return False
+        return None
     from onepass.ops import attention_hopper
 
-    return attention_hopper.forward((g.view(q), g.view(k), g.view(v)), g.view(o), lse, scale, after == 0)
+    return attention_hopper
+
+
+def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
+    """Run the Gluon forward where it covers the call, writing o and lse; False where the portable kernel runs."""
+    hopper = _hopper(g, q, before, after, softcap)
+    return hopper is not None and hopper.forward((g.view(q), g.view(k), g.view(v)), g.view(o), lse, scale, after == 0)
+
+
+def _hopper_backward(g, tensors, lse, dlse, delta, scale, before, after, softcap) -> bool:
+    """Run the Gluon backward where it covers the call (tensors: q, k, v, o, do, dq, dk, dv), writing dq, dk, dv;
+    False where the portable kernels run."""
+    hopper = _hopper(g, tensors[0], before, after, softcap)
+    return hopper is not None and hopper.backward(tuple(g.view(t) for t in tensors), lse, dlse, delta, scale,
+                                                  after == 0)
 
 
 def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
@@ -674,6 +688,8 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
     common = dict(BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
                   HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs, PRECISION=precision_for(q.dtype),
                   LONG=g.long_offsets(q, k, v, o, do, dq, dk, dv))
+    if _hopper_backward(g, (q, k, v, o, do, dq, dk, dv), lse, dlse, delta, scale, before, after, softcap):
+        return dq, dk, dv
     masks = (scale, softcap or 1.0, before, after)
 
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)

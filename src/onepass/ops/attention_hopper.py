@@ -1,25 +1,31 @@
-"""Attention's forward on Hopper (sm_90), written in Gluon: FlashAttention-3's structure, for the calls it covers.
+"""Attention on Hopper (sm_90), written in Gluon: FlashAttention-3's structure, for the calls it covers.
 
-Why a second forward: Triton's ``tl`` language leaves the wgmma waits and the warps' roles to the compiler,
+Why second kernels: Triton's ``tl`` language leaves the wgmma waits and the warps' roles to the compiler,
 which waits for each q k^T as soon as it is issued and runs every warp in lockstep, so the exponentials and
 the tensor cores take turns (a loop issuing the next tile's q k^T early compiled to the same waits and ran
 slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluon``) states both:
 
-- one program a (batch, head, block of 128 queries), in three partitions (``gl.warp_specialize``): a producer
-  warp that loads the Q tile and a ring of STAGES K and V tiles through TMA, and two consumer warpgroups, for
-  query rows [0, 64) and [64, 128), each releasing a K/V stage when done with it;
+- forward: one program a (batch, head, block of 128 queries), in three partitions (``gl.warp_specialize``): a
+  producer warp that loads the Q tile and a ring of STAGES K and V tiles through TMA, and two consumer warpgroups,
+  for query rows [0, 64) and [64, 128), each releasing a K/V stage when done with it;
 - a consumer issues tile j's q k^T before tile j-1's P V and waits for the q k^T alone (one wgmma group left
   outstanding), so tile j's softmax runs while P V does; the two consumers, separate partitions, never wait
   for each other, and one's softmax runs under the other's matmuls (one partition of 8 warps, in lockstep, gained
-  much less: the log).
+  much less: the log);
+- backward, the portable kernels' split (no atomics): a dQ kernel over query blocks (Q and dO loaded once, a ring
+  of K/V tiles), which first stores delta = rowsum(dO * O) - dLSE, then a dK/dV kernel over key blocks (K and V
+  loaded once, a ring of Q/dO tiles of every q head of the kv group); each the forward's partitions, a tile's two
+  score-shaped matmuls issued together and the softmax terms of the first computed while the second runs
+  (results/h200/attention_gluon_bwd.log).
 
-The output and the natural-log LSE are the portable kernel's, so its backward is unchanged. Calls covered
-(attention's launcher, then ``forward``): a CUDA device of compute capability 9 with a Triton of
-attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD, no window, softcap or varlen, as many
-queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host tensor descriptors), at
-least attention.TMA_MIN_FLOPS, and q, k, v whose [S, D] rows lie as TMA can address them (``rows_2d``).
-Gluon kernels do not run in Triton's interpreter: CI compiles this one for sm_90 (tests/ops/_compile_sm90.py),
-and tests/ops/test_attention.py checks it against the float64 reference and the portable kernel on a GPU.
+The output and the natural-log LSE are the portable kernel's: either backward follows either forward. Calls covered
+(attention's launcher, then ``forward``/``backward``): a CUDA device of compute capability 9 with a Triton of
+attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), no window, softcap or varlen,
+as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host tensor
+descriptors), at least attention.TMA_MIN_FLOPS, and tensors whose [S, D] rows lie as TMA can address them
+(``rows_2d``).
+Gluon kernels do not run in Triton's interpreter: CI compiles them for sm_90 (tests/ops/_compile_sm90.py),
+and tests/ops/test_attention.py checks them against the float64 reference and the portable kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ GLUON_FWD = {(64, False), (128, False), (128, True)}
 BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 STAGES = 3  # K/V tiles in flight; 3 of [128, 128] 16-bit K and V tiles and Q fill 224 KiB of shared memory
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
+# (head dim, causal) pairs the backward runs, and its kernels' (BLOCK_M queries, BLOCK_N keys, STAGES): dQ's, and
+# dK/dV's by mask (32-query tiles under a causal mask: 64 spilled there). Where they beat the portable kernels
+# (attention_gluon_bwd.log); at head dim 64 they were slower.
+GLUON_BWD = {(128, False), (128, True)}
+DQ_SETTING = (128, 128, 2)
+DKDV_SETTINGS = {False: (64, 128, 3), True: (32, 128, 2)}
 LOG2E = gl.constexpr(1.4426950408889634)
 # a barrier of the calling partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -157,20 +169,31 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 
 
 @gluon.jit
+def _program_block(n_blocks, CAUSAL: gl.constexpr, HEAVY_FIRST_BLOCK: gl.constexpr):
+    """(batch * heads index, block) of this program. Causal: grid (heads, blocks), every head's heaviest block
+    (the last query block; for a key block, the first) before the lighter ones; else grid (blocks, heads)."""
+    if CAUSAL:
+        bh = gl.program_id(0)
+        block = gl.program_id(1)
+        if not HEAVY_FIRST_BLOCK:
+            block = n_blocks - 1 - block
+    else:
+        block = gl.program_id(0)
+        bh = gl.program_id(1)
+    return bh, block
+
+
+@gluon.jit
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, qk_scale,
                      q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch,
                      HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    n_blocks = seqlen // BLOCK
-    if CAUSAL:  # grid (heads, blocks): every head's heaviest (last) block first
-        bh = gl.program_id(0)
-        m_block = n_blocks - 1 - gl.program_id(1)
+    bh, m_block = _program_block(seqlen // BLOCK, CAUSAL, False)
+    if CAUSAL:
         n_tiles = m_block + 1
     else:
-        m_block = gl.program_id(0)
-        bh = gl.program_id(1)
-        n_tiles = n_blocks
+        n_tiles = seqlen // BLOCK
     b = bh // n_heads
     h = bh % n_heads
     hk = h // group
@@ -199,6 +222,267 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_h
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
+@gluon.jit
+def _pair_producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, fixed_bar, ready, empty,
+                   a_row, a_col, b_row, b_col, c_row, c_col, c_round_row, c_round_col, d_row, d_col, d_round_row,
+                   d_round_col, n_rounds, lo, hi, BLOCK_RING: gl.constexpr, STAGES: gl.constexpr):
+    """The backward's loads: tiles a and b once (fixed_bar), then a ring of STAGES (c, d) tile pairs, for each round
+    r < n_rounds (a kv group's q heads) and tile i in [lo, hi), from (row + r * round_row + i * BLOCK_RING,
+    col + r * round_col)."""
+    mbarrier.expect(fixed_bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [a_row, a_col], fixed_bar, a_smem)
+    tma.async_copy_global_to_shared(b_desc, [b_row, b_col], fixed_bar, b_smem)
+    t = 0
+    for r in range(n_rounds):
+        for i in range(lo, hi):
+            stage = t % STAGES
+            mbarrier.wait(empty.index(stage), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
+            mbarrier.expect(ready.index(stage), c_desc.block_type.nbytes + d_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(c_desc, [c_row + r * c_round_row + i * BLOCK_RING, c_col + r * c_round_col],
+                                            ready.index(stage), c_smem.index(stage))
+            tma.async_copy_global_to_shared(d_desc, [d_row + r * d_round_row + i * BLOCK_RING, d_col + r * d_round_col],
+                                            ready.index(stage), d_smem.index(stage))
+            t += 1
+
+
+@gluon.jit
+def _dq_tile(t, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, MASK: gl.constexpr,
+             WG_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+             op_layout: gl.constexpr):
+    """Key tile t's share of the warpgroup's dQ: s = q k^T and dp = dO v^T issued together, p while dp runs."""
+    stage = t % STAGES
+    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+    k_tile = k_smem.index(stage)
+    zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
+    s_tok = warpgroup_mma(q_wg, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_wg, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    s = s * qk_scale - gl.expand_dims(lse, 1)
+    if MASK:  # causal: query q sees key k iff k <= q
+        cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
+    p = gl.exp2(s)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    dq_tok = warpgroup_mma(gl.convert_layout(ds.to(k_tile.dtype), op_layout), k_tile, dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+    _barrier()  # the warpgroup's 4 warps are done with the stage's K and V: one arrival for all
+    mbarrier.arrive(empty.index(stage))
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar, ready,
+                 empty, dq_row, dq_col, o_base, o_ss, stats_row, m_block, n_tiles, qk_scale, scale, HALF: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr):
+    """Query rows [HALF * BLOCK_M / 2, ...) of the block: their delta = rowsum(dO * O) - dLSE (stored for the dK/dV
+    kernel), then dQ over their key tiles."""
+    WG_M: gl.constexpr = BLOCK_M // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_wg = q_smem.slice(HALF * WG_M, WG_M)
+    do_wg = do_smem.slice(HALF * WG_M, WG_M)
+    first = m_block * BLOCK_M + HALF * WG_M
+    rows = first + gl.arange(0, WG_M, layout=row_layout)
+    lse = gl.load(lse_ptr + stats_row + rows) * LOG2E
+    acc_rows = first + gl.arange(0, WG_M, layout=gl.SliceLayout(1, acc_layout))
+    d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    o = gl.load(o_ptr + o_base + gl.expand_dims(acc_rows.to(gl.int64) * o_ss, 1) + gl.expand_dims(d_cols, 0))
+    mbarrier.wait(fixed_bar, 0)
+    delta = gl.sum(o.to(gl.float32) * do_wg.load(acc_layout).to(gl.float32), 1)
+    if HAS_DLSE:
+        delta -= gl.load(dlse_ptr + stats_row + acc_rows)
+    gl.store(delta_ptr + stats_row + acc_rows, delta)
+    delta = gl.convert_layout(delta, row_layout)
+    dq = gl.zeros([WG_M, HEAD_DIM], gl.float32, layout=acc_layout)
+    if CAUSAL:  # key tiles from n_full on hold a key after some of these rows
+        n_full = first // BLOCK_N
+    else:
+        n_full = n_tiles
+    for t in range(0, n_full):
+        dq = _dq_tile(t, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, False, WG_M,
+                      BLOCK_N, STAGES, s_layout, op_layout)
+    if CAUSAL:  # (separate loops: the mask's registers stay out of the unmasked one)
+        for t in range(n_full, n_tiles):
+            dq = _dq_tile(t, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, True, WG_M,
+                          BLOCK_N, STAGES, s_layout, op_layout)
+    q_wg.store((dq * scale).to(q_wg.dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
+    fence_async_shared()
+    _barrier()
+    tma.async_copy_shared_to_global(dq_desc, [dq_row + HALF * WG_M, dq_col], q_wg)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, seqlen,
+                           n_heads, group, qk_scale, scale, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
+                           dq_rb, dq_rh, dq_ch, o_sb, o_sh, o_ss, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """dQ (and delta) of one (batch, head, block of BLOCK_M queries): Q and dO loaded once, a ring of K/V tiles."""
+    dtype: gl.constexpr = q_desc.dtype
+    bh, m_block = _program_block(seqlen // BLOCK_M, CAUSAL, False)
+    b = bh // n_heads
+    h = bh % n_heads
+    hk = h // group
+    if CAUSAL:
+        n_tiles = (m_block + 1) * BLOCK_M // BLOCK_N
+    else:
+        n_tiles = seqlen // BLOCK_N
+    start = m_block * BLOCK_M
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    fixed_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(fixed_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival a consumer warpgroup
+    o_base = b.to(gl.int64) * o_sb + h.to(gl.int64) * o_sh
+    kv_row = b * k_rb + hk * k_rh
+    dq_row = b * dq_rb + h * dq_rh + start
+    gl.warp_specialize([
+        (_dq_consumer, (dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar,
+                        ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, n_tiles, qk_scale, scale,
+                        0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DLSE)),
+        (_dq_consumer, (dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar,
+                        ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, n_tiles, qk_scale, scale,
+                        1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DLSE)),
+        (_pair_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, fixed_bar, ready, empty,
+                          b * q_rb + h * q_rh + start, h * q_ch, b * do_rb + h * do_rh + start, h * do_ch,
+                          kv_row, hk * k_ch, 0, 0, kv_row, hk * k_ch, 0, 0, 1, 0, n_tiles, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, dk, dv, keys, qk_scale,
+               MASK: gl.constexpr, WG_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Query tile i's share of the warpgroup's dK and dV, keys as rows: sT = k q^T and dpT = v dO^T issued together,
+    pT while dpT runs, then dV += pT dO and dK += dsT q together."""
+    stage = t % STAGES
+    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+    q_tile = q_smem.index(stage)
+    do_tile = do_smem.index(stage)
+    zero = gl.zeros([WG_N, BLOCK_M], gl.float32, layout=s_layout)
+    s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    queries = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    lse = gl.load(lse_ptr + stats_row + queries) * LOG2E
+    delta = gl.load(delta_ptr + stats_row + queries)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    s = s * qk_scale - gl.expand_dims(lse, 0)
+    if MASK:  # causal: key k is seen by query q iff k <= q
+        s = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), s, float("-inf"))
+    p = gl.exp2(s)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), op_layout), do_tile, dv, is_async=True)
+    ds = p * (dp - gl.expand_dims(delta, 0))
+    dk_tok = warpgroup_mma(gl.convert_layout(ds.to(q_tile.dtype), op_layout), q_tile, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    _barrier()  # the warpgroup's 4 warps are done with the stage's Q and dO: one arrival for all
+    mbarrier.arrive(empty.index(stage))
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
+                   out_row, out_col, stats_row, seqlen, group, n_block, tile_lo, n_tiles, qk_scale, scale,
+                   HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key rows [HALF * BLOCK_N / 2, ...) of the block: dK and dV over the query tiles of the kv group's q heads."""
+    WG_N: gl.constexpr = BLOCK_N // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    k_wg = k_smem.slice(HALF * WG_N, WG_N)
+    v_wg = v_smem.slice(HALF * WG_N, WG_N)
+    first_key = n_block * BLOCK_N + HALF * WG_N
+    keys = first_key + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([WG_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([WG_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    if CAUSAL:  # query tiles before unmasked_lo hold a query before some of these keys
+        unmasked_lo = gl.minimum(gl.maximum((first_key + WG_N - 1 + BLOCK_M - 1) // BLOCK_M, tile_lo), n_tiles)
+    else:
+        unmasked_lo = tile_lo
+    mbarrier.wait(fixed_bar, 0)
+    t = 0
+    for g in range(group):  # every q head of the kv group adds into the same registers
+        for i in range(tile_lo, unmasked_lo):
+            dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
+                                delta_ptr, dk, dv, keys, qk_scale, True, WG_N, BLOCK_M, STAGES, s_layout, op_layout)
+            t += 1
+        for i in range(unmasked_lo, n_tiles):
+            dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
+                                delta_ptr, dk, dv, keys, qk_scale, False, WG_N, BLOCK_M, STAGES, s_layout, op_layout)
+            t += 1
+    # this warpgroup's K and V rows, read by its own finished matmuls only, take its dK and dV
+    k_wg.store((dk * scale).to(k_wg.dtype))
+    v_wg.store(dv.to(v_wg.dtype))
+    fence_async_shared()
+    _barrier()
+    tma.async_copy_shared_to_global(dk_desc, [out_row + HALF * WG_N, out_col], k_wg)
+    tma.async_copy_shared_to_global(dv_desc, [out_row + HALF * WG_N, out_col], v_wg)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, seqlen,
+                             n_kv_heads, group, qk_scale, scale, k_rb, k_rh, k_ch, q_rb, q_rh, q_ch, do_rb, do_rh,
+                             do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
+    """dK and dV of one (batch, kv head, block of BLOCK_N keys): K and V loaded once, a ring of (Q, dO) tiles of the
+    kv group's q heads."""
+    dtype: gl.constexpr = q_desc.dtype
+    bhk, n_block = _program_block(seqlen // BLOCK_N, CAUSAL, True)
+    b = bhk // n_kv_heads
+    hk = bhk % n_kv_heads
+    h0 = hk * group  # the group's first q head
+    n_tiles = seqlen // BLOCK_M
+    if CAUSAL:  # the first query tile that sees a key of the block
+        tile_lo = n_block * BLOCK_N // BLOCK_M
+    else:
+        tile_lo = 0
+    start = n_block * BLOCK_N
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    fixed_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(fixed_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival a consumer warpgroup
+    kv_row = b * k_rb + hk * k_rh + start
+    out_row = b * dk_rb + hk * dk_rh + start
+    stats_row = (b * group * n_kv_heads + h0) * seqlen
+    gl.warp_specialize([
+        (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
+                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, qk_scale,
+                          scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
+                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, qk_scale,
+                          scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_pair_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
+                          kv_row, hk * k_ch, kv_row, hk * k_ch, b * q_rb + h0 * q_rh, h0 * q_ch, q_rh, q_ch,
+                          b * do_rb + h0 * do_rh, h0 * do_ch, do_rh, do_ch, group, tile_lo, n_tiles, BLOCK_M,
+                          STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
 def rows_2d(t: Tensor) -> tuple[Tensor, int, int, int] | None:
     """``t`` (a [B, H, S, D] view, unit stride along D) as the 2-D tensor TMA reads, with where (b, h, s) lies in
     it: (view, rb, rh, ch), row b * rb + h * rh + s and column h * ch. Rows of (b, h, s) evenly spaced ([B, H, S, D]
@@ -216,6 +500,18 @@ def rows_2d(t: Tensor) -> tuple[Tensor, int, int, int] | None:
     return None
 
 
+def _descriptor(t2: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
+    """A host tensor descriptor of ``t2`` (a ``rows_2d`` view) for [rows, head_dim] tiles."""
+    element = gl.bfloat16 if t2.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
+    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, head_dim], layout)
+
+
+def _grid(heads: int, n_blocks: int, causal: bool) -> tuple[int, int]:
+    """The grid _program_block reads: heads first under a causal mask (each block's weight known: heaviest first)."""
+    return (heads, n_blocks) if causal else (n_blocks, heads)
+
+
 def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool) -> bool:
     """Write o ([B, H, S, D] view of a new output) and lse [B, H, S] from the [B, H, S, D] views of q, k, v, and
     return True, for a call this forward covers beyond what attention's launcher checked (device, dtype, mask,
@@ -229,12 +525,39 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
     if None in at or at[1][1:] != at[2][1:]:
         return False
     (q2, *q_at), (k2, *k_at), (v2, _, _, _), (o2, *o_at) = at
-    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], element)
-    half = gl.NVMMASharedLayout.get_default_for([BLOCK // 2, D], element)
-    descriptors = [TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK, D], layout) for t in (q2, k2, v2)]
-    descriptors.append(TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [BLOCK // 2, D], half))
-    grid = (B * H, S // BLOCK) if causal else (S // BLOCK, B * H)
-    launch(_attn_fwd_hopper_kernel, grid, *descriptors, lse, S, H, H // k.shape[1], scale * LOG2E.value, *q_at, *k_at,
-           *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=STAGES, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    descriptors = [_descriptor(t, BLOCK, D) for t in (q2, k2, v2)] + [_descriptor(o2, BLOCK // 2, D)]
+    launch(_attn_fwd_hopper_kernel, _grid(B * H, S // BLOCK, causal), *descriptors, lse, S, H, H // k.shape[1],
+           scale * LOG2E.value, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=STAGES, CAUSAL=causal,
+           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    return True
+
+
+def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta: Tensor, scale: float,
+             causal: bool) -> bool:
+    """Write dq, dk, dv and delta ([B, H, S] fp32) from the [B, H, S, D] views (q, k, v, o, do, dq, dk, dv), lse
+    and dlse ([B, H, S] fp32, contiguous; dlse may be None), and return True, for a call the backward covers (as
+    ``forward``, with GLUON_BWD's head dims and masks, k and v alike, dk and dv alike). Else False, nothing written.
+    Two kernels: dQ, which also stores delta = rowsum(dO * O) - dLSE, then dK/dV, which reads it."""
+    q, k, v, o, do, dq, dk, dv = views
+    B, H, S, D = q.shape
+    if (D, causal) not in GLUON_BWD or S % BLOCK or k.shape[2] != S or not lse.is_contiguous():
+        return False
+    at = [rows_2d(t) for t in (q, k, v, do, dq, dk, dv)]
+    if None in at or at[1][1:] != at[2][1:] or at[5][1:] != at[6][1:] or o.stride(-1) != 1:
+        return False
+    (q2, *q_at), (k2, *k_at), (v2, _, _, _), (do2, *do_at), (dq2, *dq_at), (dk2, *dk_at), (dv2, _, _, _) = at
+    kv_heads = k.shape[1]
+    meta = dict(HEAD_DIM=D, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    block_m, block_n, stages = DQ_SETTING
+    launch(_attn_dq_hopper_kernel, _grid(B * H, S // block_m, causal), _descriptor(q2, block_m, D),
+           _descriptor(do2, block_m, D), _descriptor(k2, block_n, D), _descriptor(v2, block_n, D),
+           _descriptor(dq2, block_m // 2, D), o, lse, lse if dlse is None else dlse, delta, S, H, H // kv_heads,
+           scale * LOG2E.value, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
+           BLOCK_N=block_n, STAGES=stages, HAS_DLSE=dlse is not None, **meta)
+    block_m, block_n, stages = DKDV_SETTINGS[causal]
+    launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads, S // block_n, causal), _descriptor(k2, block_n, D),
+           _descriptor(v2, block_n, D), _descriptor(q2, block_m, D), _descriptor(do2, block_m, D),
+           _descriptor(dk2, block_n // 2, D), _descriptor(dv2, block_n // 2, D), lse, delta, S, kv_heads, H // kv_heads,
+           scale * LOG2E.value, scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n,
+           STAGES=stages, **meta)
     return True
