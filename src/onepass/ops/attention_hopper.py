@@ -51,12 +51,12 @@ GLUON_FWD = {(64, False), (128, False), (128, True)}
 BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 STAGES = 3  # K/V tiles in flight; 3 of [128, 128] 16-bit K and V tiles and Q fill 224 KiB of shared memory
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
-# (head dim, causal) pairs the backward runs, and its kernels' (BLOCK_M queries, BLOCK_N keys, STAGES): dQ's, and
-# dK/dV's by mask (32-query tiles under a causal mask: 64 spilled there). Where they beat the portable kernels
-# (attention_gluon_bwd.log); at head dim 64 they were slower.
+# (head dim, causal) pairs the backward runs, and its kernels' (BLOCK_M queries, BLOCK_N keys, STAGES): the fastest
+# of a sweep at every shape timed but one (attention_gluon_bwd.log). At head dim 64 they were slower than the
+# portable kernels.
 GLUON_BWD = {(128, False), (128, True)}
 DQ_SETTING = (128, 128, 2)
-DKDV_SETTINGS = {False: (64, 128, 3), True: (32, 128, 2)}
+DKDV_SETTING = (64, 128, 2)
 LOG2E = gl.constexpr(1.4426950408889634)
 # a barrier of the calling partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -554,7 +554,7 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
            _descriptor(dq2, block_m // 2, D), o, lse, lse if dlse is None else dlse, delta, S, H, H // kv_heads,
            scale * LOG2E.value, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
            BLOCK_N=block_n, STAGES=stages, HAS_DLSE=dlse is not None, **meta)
-    block_m, block_n, stages = DKDV_SETTINGS[causal]
+    block_m, block_n, stages = DKDV_SETTING
     launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads, S // block_n, causal), _descriptor(k2, block_n, D),
            _descriptor(v2, block_n, D), _descriptor(q2, block_m, D), _descriptor(do2, block_m, D),
            _descriptor(dk2, block_n // 2, D), _descriptor(dv2, block_n // 2, D), lse, delta, S, kv_heads, H // kv_heads,
