@@ -255,11 +255,13 @@ def test_the_example_trains_with_sft_trainer_and_accelerate(way, monkeypatch, ca
     monkeypatch.setattr(sys, "argv", ["train_with_trainer.py", "--with", way])
     with warnings.catch_warnings(), onepass.reference_mode():
         warnings.simplefilter("ignore")
-        runpy.run_path(str(EXAMPLE), run_name="__main__")
+        example = runpy.run_path(str(EXAMPLE), run_name="__main__")
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert f"{way}: losses" in last
     losses = [float(w.rstrip(",")) for w in last.split("losses")[-1].split()]
-    assert len(losses) == 2 and all(0 < x < 10 for x in losses), last
+    # an untrained model's loss is near log(vocab): 11.8 for llama-1b's 128256 tokens (its shape on a GPU)
+    bound = 1.5 * math.log(example["model"].config.vocab_size)
+    assert len(losses) == 2 and all(0 < x < bound for x in losses), last
 
 
 def test_a_forward_wrapped_before_optimize_keeps_its_own_keywords():
