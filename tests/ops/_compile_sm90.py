@@ -104,7 +104,7 @@ def cases():
         attention._attention_bwd_launch(q, q, k, k, o, lse, None, None, d ** -0.5, -1, 0 if causal else -1, None,
                                         "bhsd")
     hopper = ops("attention_hopper")  # the Gluon forward and backward, bhsd and bshd memory
-    for d, causal, layout in ((64, False, "bhsd"), (128, True, "bhsd"), (128, False, "bshd")):
+    for d, causal, layout in ((64, False, "bhsd"), (64, True, "bhsd"), (128, True, "bhsd"), (128, False, "bshd")):
         q, k = empty(1, 32, 2048, d), empty(1, 8, 2048, d)
         if layout == "bshd":
             q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))

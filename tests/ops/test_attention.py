@@ -287,8 +287,8 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
 
 def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     """Which calls take the Gluon forward (attention_hopper; its launch recorded here, as on a Hopper GPU): head dim 128
-    full or causal and 64 full, whole 128-row tiles, bhsd or bshd memory, k and v alike; not a window, a softcap,
-    varlen, fp32, a padded or other head dim, head dim 64 causal, a part tile, more keys than queries, an expanded or
+    or 64, full or causal, whole 128-row tiles, bhsd or bshd memory, k and v alike; not a window, a softcap,
+    varlen, fp32, a padded or other head dim, a part tile, more keys than queries, an expanded or
     odd-strided k, unlike k and v, or a call under TMA_MIN_FLOPS. The others launch the portable kernel."""
     attention_module = sys.modules["onepass.ops.attention"]
     hopper = pytest.importorskip("onepass.ops.attention_hopper")
@@ -318,7 +318,7 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     assert route(q, t(1, 2, 256, 144)[..., :128]) == "hopper"  # rows 288 bytes apart
     for call in (dict(causal=True, window=64), dict(softcap=30.0), dict(causal=True, scale=0.5)):
         assert route(q, k, **call) == ("hopper" if "scale" in call else "portable"), call
-    assert route(q[..., :64], k[..., :64], causal=True) == "portable"
+    assert route(q[..., :64], k[..., :64], causal=True) == "hopper"
     assert route(t(1, 4, 256, 80), t(1, 2, 256, 80)) == "portable"
     assert route(t(1, 4, 256, 128, dtype=torch.float32), t(1, 2, 256, 128, dtype=torch.float32)) == "portable"
     assert route(q[:, :, :200], k[:, :, :200]) == "portable"  # a part tile
@@ -329,6 +329,30 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     packed = t(256, 4, 128)
     cu = torch.tensor([0, 128, 256], dtype=torch.int32, device=device)
     assert route(packed, t(256, 2, 128), layout="bshd", cu_seqlens=cu) == "portable"
+
+
+def test_hopper_forward_programs(device, monkeypatch):
+    """The Gluon forward's programs: one an SM (num_programs_for) looping over work items where an item's mean key
+    tiles are at most PERSISTENT_TILES or two Q buffers fit (head dim 64); else one a work item."""
+    attention_module = sys.modules["onepass.ops.attention"]
+    hopper = pytest.importorskip("onepass.ops.attention_hopper")
+    grids = []
+    monkeypatch.setattr(attention_module, "_on_hopper", lambda t: True)
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
+    monkeypatch.setattr(hopper, "num_programs_for", lambda device: 4)  # an SM count
+    monkeypatch.setattr(hopper, "launch", lambda kernel, grid, *args, **meta: grids.append(grid))
+
+    def programs(seqlen, head_dim, causal):
+        grids.clear()
+        q = torch.zeros(1, 4, seqlen, head_dim, dtype=torch.float16, device=device)
+        ops.attention(q, q[:, :2], q[:, :2], causal=causal)
+        return grids[0]
+
+    assert programs(256, 128, True) == (4, )  # 8 items of 1.5 key tiles
+    assert programs(2048, 128, False) == (4, )  # 64 items of 16 tiles
+    assert programs(4096, 128, True) == (128, )  # 128 items of 16.5 tiles: one a program
+    assert programs(4096, 128, False) == (128, )  # 32 tiles
+    assert programs(4096, 64, False) == programs(4096, 64, True) == (4, )  # head dim 64: two Q buffers
 
 
 def test_hopper_backward_only_where_it_covers(device, monkeypatch):
@@ -389,18 +413,22 @@ def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, kw", [(64, dict()), (128, dict()), (128, dict(causal=True)),
-                                          (128, dict(causal=True, layout="bshd"))])
-def test_gpu_hopper_kernels(head_dim, kw, monkeypatch):
+@pytest.mark.parametrize("head_dim, kw, persistent_tiles", [(64, dict(), 16), (128, dict(), 16),
+                                                            (128, dict(causal=True), 16),
+                                                            (128, dict(causal=True, layout="bshd"), 16),
+                                                            (128, dict(causal=True), 0)])
+def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
     """The Gluon forward and (GLUON_BWD) backward, which on a Hopper GPU must take these calls, against the float64
-    reference with a gradient into the LSE, grouped-query heads, 12 query blocks; and at another scale against the
-    portable kernels."""
+    reference with a gradient into the LSE, grouped-query heads, 12 query blocks (192 work items: persistent programs
+    take one or two; PERSISTENT_TILES 0 at head dim 128, one a program); and at another scale against the portable
+    kernels."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on compute capability 9 only")
     import onepass.ops.attention_hopper as attention_hopper
 
     attention_module = sys.modules["onepass.ops.attention"]
     monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
+    monkeypatch.setattr(attention_hopper, "PERSISTENT_TILES", persistent_tiles)
     taken = []
     for name in ("forward", "backward"):
         run = getattr(attention_hopper, name)

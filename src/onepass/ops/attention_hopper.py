@@ -43,13 +43,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from onepass.ops.dispatch import launch
+from onepass.ops.dispatch import launch, num_programs_for
 
-# (head dim, causal) pairs this forward runs: where it beat the portable kernel (attention_gluon_fwd.log); at head
-# dim 64 under a causal mask it was slower (S 2048: most query blocks see few key tiles).
-GLUON_FWD = {(64, False), (128, False), (128, True)}
+# (head dim, causal) pairs this forward runs: where it beat the portable kernel or tied (attention_gluon_fwd.log; at
+# head dim 64 under a causal mask only since its programs are persistent, run 5).
+GLUON_FWD = {(64, False), (64, True), (128, False), (128, True)}
 BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
-STAGES = 3  # K/V tiles in flight; 3 of [128, 128] 16-bit K and V tiles and Q fill 224 KiB of shared memory
+# The forward's (K/V stages, Q buffers) by head dim: at 128, 3 stages of [128, 128] 16-bit K and V tiles and one Q
+# tile fill 224 KiB of shared memory; at 64 a second Q buffer fits, and an item's Q loads while the last one's O is
+# stored out of the other.
+FWD_BUFFERS = {64: (3, 2), 128: (3, 1)}
+# The forward's programs loop over work items, one program an SM (persistent), where two Q buffers fit or an item's
+# mean key tiles are at most PERSISTENT_TILES: an item's first loads then overlap the last one's epilogue, which short
+# items pay for most; longer ones with one Q buffer ran faster one item a program, the hardware's scheduler balancing
+# uneven causal items better than a fixed order (results/h200/attention_gluon_fwd.log, run 5).
+PERSISTENT_TILES = 16
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
 # (head dim, causal) pairs the backward runs, and its kernels' (BLOCK_M queries, BLOCK_N keys, STAGES): the fastest
 # of a sweep at every shape timed but one (attention_gluon_bwd.log). At head dim 64 they were slower than the
@@ -63,20 +71,67 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, q_col, kv_row,
-              kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
-    for t in range(n_tiles):
-        stage = t % STAGES
-        # the stage's previous tile (t - STAGES) released by both consumers
-        mbarrier.wait(kv_empty.index(stage), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + t * BLOCK_N, kv_col], k_ready.index(stage),
-                                        k_smem.index(stage))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + t * BLOCK_N, kv_col], v_ready.index(stage),
-                                        v_smem.index(stage))
+def _work_item(w, n_bh, n_blocks, CAUSAL: gl.constexpr):
+    """Work item w's (batch * heads index, query block): causal, every head's last (heaviest) block first, then the
+    blocks before; full, one head's blocks in a row (its K and V stay in L2)."""
+    if CAUSAL:
+        bh = w % n_bh
+        m_block = n_blocks - 1 - w // n_bh
+    else:
+        bh = w // n_blocks
+        m_block = w % n_blocks
+    return bh, m_block
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
+              n_bh, n_heads, group, seqlen, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK: gl.constexpr,
+              STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """This program's items in turn: each one's Q tile, into a buffer its consumers have stored the O of an earlier
+    item from, and its K/V tiles into the ring, which runs on across items (the next item's first tiles load while
+    the consumers finish the last). With one Q buffer, Q is loaded after the item's first STAGES K/V tiles: the
+    consumers free it only once the previous item's O is stored."""
+    n_blocks = seqlen // BLOCK
+    t = 0  # the ring's position: K/V tiles loaded so far
+    n = 0  # items so far
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        bh, m_block = _work_item(w, n_bh, n_blocks, CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        hk = h // group
+        if CAUSAL:
+            n_tiles = m_block + 1
+        else:
+            n_tiles = n_blocks
+        if Q_BUFFERS == 1:  # K/V tiles loaded before Q
+            q_at = gl.minimum(STAGES, n_tiles)
+        else:
+            q_at = 0
+        for j in range(n_tiles):
+            if j == q_at:
+                _load_q(q_desc, q_smem, q_ready, q_empty, n, b * q_rb + h * q_rh + m_block * BLOCK, h * q_ch,
+                        Q_BUFFERS)
+            stage = t % STAGES
+            # the stage's previous tile (t - STAGES) released by both consumers
+            mbarrier.wait(kv_empty.index(stage), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
+            row = b * k_rb + hk * k_rh + j * BLOCK
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, hk * k_ch], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, hk * k_ch], v_ready.index(stage), v_smem.index(stage))
+            t += 1
+        if q_at == n_tiles:
+            _load_q(q_desc, q_smem, q_ready, q_empty, n, b * q_rb + h * q_rh + m_block * BLOCK, h * q_ch, Q_BUFFERS)
+        n += 1
+
+
+@gluon.jit
+def _load_q(q_desc, q_smem, q_ready, q_empty, n, row, col, Q_BUFFERS: gl.constexpr):
+    """Item n's Q tile, once its buffer's previous item (n - Q_BUFFERS) has had its O stored from it."""
+    buf = n % Q_BUFFERS
+    mbarrier.wait(q_empty.index(buf), ((n // Q_BUFFERS) - 1) & 1, pred=n >= Q_BUFFERS)
+    mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(buf), q_smem.index(buf))
 
 
 @gluon.jit
@@ -94,16 +149,16 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, tile_start, MASK: gl.constexpr, B
 
 
 @gluon.jit
-def _step(j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op, m_i, l_i, rows, qk_scale,
+def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op, m_i, l_i, rows, qk_scale,
           MASK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
           o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Tile j's q k^T, issued before tile j-1's P V; tile j's softmax while P V runs; then tile j-1's stage
-    released."""
-    stage = j % STAGES
-    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    """Tile j's (the ring's tile r) q k^T, issued before tile j-1's P V; tile j's softmax while P V runs; then tile
+    j-1's stage released."""
+    stage = r % STAGES
+    mbarrier.wait(k_ready.index(stage), (r // STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    prev = (j - 1) % STAGES
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    prev = (r - 1) % STAGES
+    mbarrier.wait(v_ready.index(prev), ((r - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, MASK, BLOCK_N, s_layout)
@@ -115,10 +170,12 @@ def _step(j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_row, o_col, lse_row,
-              m_block, n_tiles, qk_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Query rows [HALF * BLOCK_M / 2, ...) of the block: the online softmax over its key tiles, then O and LSE."""
+def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh,
+              n_heads, seqlen, qk_scale, o_rb, o_rh, o_ch, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """Query rows [HALF * BLOCK_M / 2, ...) of each of this program's items: the online softmax over the item's key
+    tiles, then O and LSE."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -127,45 +184,101 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    my_q = q_smem.slice(HALF * WG_M, WG_M)
-    rows = m_block * BLOCK_M + HALF * WG_M + gl.arange(0, WG_M, layout=row_layout)
-    m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([WG_M], gl.float32, layout=row_layout)
-    o = gl.zeros([WG_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
-    if CAUSAL:  # tiles [0, n_full) lie wholly before these rows: no mask
-        n_full = (m_block * BLOCK_M + HALF * WG_M) // BLOCK_N
-    else:
-        n_full = n_tiles
+    n_blocks = seqlen // BLOCK_M
+    t = 0  # the ring's position of the item's first tile
+    n = 0  # items so far
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        bh, m_block = _work_item(w, n_bh, n_blocks, CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        if CAUSAL:  # tiles [0, n_full) lie wholly before these rows: no mask
+            n_tiles = m_block + 1
+            n_full = (m_block * BLOCK_M + HALF * WG_M) // BLOCK_N
+        else:
+            n_tiles = n_blocks
+            n_full = n_blocks
+        buf = n % Q_BUFFERS
+        my_q = q_smem.index(buf).slice(HALF * WG_M, WG_M)
+        rows = m_block * BLOCK_M + HALF * WG_M + gl.arange(0, WG_M, layout=row_layout)
+        m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([WG_M], gl.float32, layout=row_layout)
+        o = gl.zeros([WG_M, HEAD_DIM], gl.float32, layout=o_layout)
 
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    if n_full == 0:
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, True, BLOCK_N, s_layout)
-    else:
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, False, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    for j in range(1, n_full):
-        o, p_op, m_i, l_i = _step(j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op, m_i, l_i,
-                                  rows, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
-    if CAUSAL:  # (separate loops: the mask's registers stay out of the unmasked one)
-        for j in range(gl.maximum(n_full, 1), n_tiles):
-            o, p_op, m_i, l_i = _step(j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op, m_i,
-                                      l_i, rows, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
-    last = n_tiles - 1
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES), o, is_async=True)
-    o = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.wait(q_ready.index(buf), (n // Q_BUFFERS) & 1)
+        mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
+        s = warpgroup_mma(my_q, k_smem.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        if n_full == 0:
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, True, BLOCK_N, s_layout)
+        else:
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, False, BLOCK_N, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_full):
+            o, p_op, m_i, l_i = _step(t + j, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op,
+                                      m_i, l_i, rows, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+        if CAUSAL:  # (separate loops: the mask's registers stay out of the unmasked one)
+            for j in range(gl.maximum(n_full, 1), n_tiles):
+                o, p_op, m_i, l_i = _step(t + j, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
+                                          p_op, m_i, l_i, rows, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout,
+                                          p_layout)
+        last = (t + n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((t + n_tiles - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=(o_tok, ))
+        _barrier()
+        mbarrier.arrive(kv_empty.index(last))
 
-    o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-    my_q.store(o.to(dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
-    fence_async_shared()
-    _barrier()
-    tma.async_copy_shared_to_global(o_desc, [o_row + HALF * WG_M, o_col], my_q)
-    gl.store(lse_ptr + lse_row + rows, (m_i + gl.log2(l_i)) / LOG2E)
-    tma.store_wait(0)
+        o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+        my_q.store(o.to(dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
+        fence_async_shared()
+        _barrier()
+        tma.async_copy_shared_to_global(o_desc, [b * o_rb + h * o_rh + m_block * BLOCK_M + HALF * WG_M, h * o_ch],
+                                        my_q)
+        gl.store(lse_ptr + bh * seqlen + rows, (m_i + gl.log2(l_i)) / LOG2E)
+        tma.store_wait(0)
+        _barrier()  # the O tile is read out of the Q buffer: one arrival for the warpgroup
+        mbarrier.arrive(q_empty.index(buf))
+        t += n_tiles
+        n += 1
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, qk_scale, n_items,
+                            q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch, HEAD_DIM: gl.constexpr,
+                            BLOCK: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr):
+    """Each program takes work items (batch, head, block of BLOCK queries) pid, pid + programs, ... (one a program, or
+    persistent: PERSISTENT_TILES).
+    A tile of (b, h, rows s...) sits at row b * rb + h * rh + s, column h * ch of its tensor's 2-D view (rows_2d)."""
+    dtype: gl.constexpr = q_desc.dtype
+    n_bh = n_items // (seqlen // BLOCK)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS, BLOCK, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival a consumer warpgroup
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
+                     n_bh, n_heads, seqlen, qk_scale, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK, BLOCK, STAGES, Q_BUFFERS,
+                     CAUSAL)),
+        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
+                     n_bh, n_heads, seqlen, qk_scale, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK, BLOCK, STAGES, Q_BUFFERS,
+                     CAUSAL)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                     n_items, n_bh, n_heads, group, seqlen, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK, STAGES,
+                     Q_BUFFERS, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -181,45 +294,6 @@ def _program_block(n_blocks, CAUSAL: gl.constexpr, HEAVY_FIRST_BLOCK: gl.constex
         block = gl.program_id(0)
         bh = gl.program_id(1)
     return bh, block
-
-
-@gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, qk_scale,
-                     q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch,
-                     HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
-    dtype: gl.constexpr = q_desc.dtype
-    bh, m_block = _program_block(seqlen // BLOCK, CAUSAL, False)
-    if CAUSAL:
-        n_tiles = m_block + 1
-    else:
-        n_tiles = seqlen // BLOCK
-    b = bh // n_heads
-    h = bh % n_heads
-    hk = h // group
-    # a tile of (b, h, rows s...) sits at row b * rb + h * rh + s, column h * ch of its tensor's 2-D view (rows_2d)
-    start = m_block * BLOCK
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival a consumer warpgroup
-    o_row = b * o_rb + h * o_rh + start
-    gl.warp_specialize([
-        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_row, h * o_ch,
-                     bh * seqlen, m_block, n_tiles, qk_scale, 0, HEAD_DIM, BLOCK, BLOCK, STAGES, CAUSAL)),
-        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_row, h * o_ch,
-                     bh * seqlen, m_block, n_tiles, qk_scale, 1, HEAD_DIM, BLOCK, BLOCK, STAGES, CAUSAL)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                     b * q_rb + h * q_rh + start, h * q_ch, b * k_rb + hk * k_rh, hk * k_ch, n_tiles, BLOCK, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -526,9 +600,14 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
         return False
     (q2, *q_at), (k2, *k_at), (v2, _, _, _), (o2, *o_at) = at
     descriptors = [_descriptor(t, BLOCK, D) for t in (q2, k2, v2)] + [_descriptor(o2, BLOCK // 2, D)]
-    launch(_attn_fwd_hopper_kernel, _grid(B * H, S // BLOCK, causal), *descriptors, lse, S, H, H // k.shape[1],
-           scale * LOG2E.value, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=STAGES, CAUSAL=causal,
-           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    n_items = B * H * (S // BLOCK)
+    mean_tiles = (S // BLOCK + 1) / 2 if causal else S // BLOCK
+    stages, q_buffers = FWD_BUFFERS[D]
+    persistent = q_buffers == 2 or mean_tiles <= PERSISTENT_TILES
+    programs = min(n_items, num_programs_for(q.device)) if persistent else n_items
+    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H,
+           H // k.shape[1], scale * LOG2E.value, n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK,
+           STAGES=stages, Q_BUFFERS=q_buffers, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return True
 
 
