@@ -297,6 +297,25 @@ def _program_block(n_blocks, CAUSAL: gl.constexpr, HEAVY_FIRST_BLOCK: gl.constex
 
 
 @gluon.jit
+def _pair_buffers(a_desc, b_desc, c_desc, d_desc, FIXED_ROWS: gl.constexpr, RING_ROWS: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """_pair_producer's shared memory: tiles a and b, STAGES (c, d) pairs, and their barriers, initialized."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_smem = gl.allocate_shared_memory(dtype, [FIXED_ROWS, HEAD_DIM], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, [FIXED_ROWS, HEAD_DIM], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [STAGES, RING_ROWS, HEAD_DIM], c_desc.layout)
+    d_smem = gl.allocate_shared_memory(dtype, [STAGES, RING_ROWS, HEAD_DIM], d_desc.layout)
+    fixed_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(fixed_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival a consumer warpgroup
+    return a_smem, b_smem, c_smem, d_smem, fixed_bar, ready, empty
+
+
+@gluon.jit
 def _pair_producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_smem, fixed_bar, ready, empty,
                    a_row, a_col, b_row, b_col, c_row, c_col, c_round_row, c_round_col, d_row, d_col, d_round_row,
                    d_round_col, n_rounds, lo, hi, BLOCK_RING: gl.constexpr, STAGES: gl.constexpr):
@@ -399,7 +418,6 @@ def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dQ (and delta) of one (batch, head, block of BLOCK_M queries): Q and dO loaded once, a ring of K/V tiles."""
-    dtype: gl.constexpr = q_desc.dtype
     bh, m_block = _program_block(seqlen // BLOCK_M, CAUSAL, False)
     b = bh // n_heads
     h = bh % n_heads
@@ -409,17 +427,8 @@ def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_
     else:
         n_tiles = seqlen // BLOCK_N
     start = m_block * BLOCK_M
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    fixed_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(fixed_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival a consumer warpgroup
+    q_smem, do_smem, k_smem, v_smem, fixed_bar, ready, empty = _pair_buffers(q_desc, do_desc, k_desc, v_desc,
+                                                                               BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     o_base = b.to(gl.int64) * o_sb + h.to(gl.int64) * o_sh
     kv_row = b * k_rb + hk * k_rh
     dq_row = b * dq_rb + h * dq_rh + start
@@ -518,7 +527,6 @@ def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, 
                              CONSUMER_REGS: gl.constexpr):
     """dK and dV of one (batch, kv head, block of BLOCK_N keys): K and V loaded once, a ring of (Q, dO) tiles of the
     kv group's q heads."""
-    dtype: gl.constexpr = q_desc.dtype
     bhk, n_block = _program_block(seqlen // BLOCK_N, CAUSAL, True)
     b = bhk // n_kv_heads
     hk = bhk % n_kv_heads
@@ -529,17 +537,8 @@ def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, 
     else:
         tile_lo = 0
     start = n_block * BLOCK_N
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    fixed_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(fixed_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival a consumer warpgroup
+    k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty = _pair_buffers(k_desc, v_desc, q_desc, do_desc,
+                                                                               BLOCK_N, BLOCK_M, HEAD_DIM, STAGES)
     kv_row = b * k_rb + hk * k_rh + start
     out_row = b * dk_rb + hk * dk_rh + start
     stats_row = (b * group * n_kv_heads + h0) * seqlen
