@@ -685,11 +685,11 @@ def _attention_bwd_launch(do, q, k, v, o, lse, dlse, cu_seqlens, scale, before, 
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
     dlse = dlse.contiguous() if dlse is not None else None  # indexed with lse's strides (autograd may expand it)
+    if _hopper_backward(g, (q, k, v, o, do, dq, dk, dv), lse, dlse, delta, scale, before, after, softcap):
+        return dq, dk, dv
     common = dict(BOUND_BEFORE=before >= 0, BOUND_AFTER=after >= 0, SOFTCAP=bool(softcap), VARLEN=g.varlen,
                   HEAD_DIM=g.head_dim, BLOCK_D=g.block_d, BLOCK_SEQS=g.block_seqs, PRECISION=precision_for(q.dtype),
                   LONG=g.long_offsets(q, k, v, o, do, dq, dk, dv))
-    if _hopper_backward(g, (q, k, v, o, do, dq, dk, dv), lse, dlse, delta, scale, before, after, softcap):
-        return dq, dk, dv
     masks = (scale, softcap or 1.0, before, after)
 
     block_m, block_n, num_warps, num_stages = launch_config("dq", g.head_dim, q.dtype)
