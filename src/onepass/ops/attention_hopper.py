@@ -70,6 +70,18 @@ LOG2E = gl.constexpr(1.4426950408889634)
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """The registers of a warpgroup's [64, n] fp32 wgmma result (its 4 warps along the rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _operand_layout(acc_layout):
+    """A 16-bit wgmma A operand held in registers, for a result of ``acc_layout``."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+
 @gluon.jit
 def _work_item(w, n_bh, n_blocks, CAUSAL: gl.constexpr):
     """Work item w's (batch * heads index, query block): causal, every head's last (heaviest) block first, then the
@@ -178,11 +190,9 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
     tiles, then O and LSE."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = o_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = _operand_layout(o_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
     n_blocks = seqlen // BLOCK_M
@@ -372,11 +382,9 @@ def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, 
     """Query rows [HALF * BLOCK_M / 2, ...) of the block: their delta = rowsum(dO * O) - dLSE (stored for the dK/dV
     kernel), then dQ over their key tiles."""
     WG_M: gl.constexpr = BLOCK_M // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = _operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_wg = q_smem.slice(HALF * WG_M, WG_M)
     do_wg = do_smem.slice(HALF * WG_M, WG_M)
@@ -483,11 +491,9 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """Key rows [HALF * BLOCK_N / 2, ...) of the block: dK and dV over the query tiles of the kv group's q heads."""
     WG_N: gl.constexpr = BLOCK_N // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = _operand_layout(acc_layout)
     k_wg = k_smem.slice(HALF * WG_N, WG_N)
     v_wg = v_smem.slice(HALF * WG_N, WG_N)
     first_key = n_block * BLOCK_N + HALF * WG_N
@@ -604,9 +610,9 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
     stages, q_buffers = FWD_BUFFERS[D]
     persistent = q_buffers == 2 or mean_tiles <= PERSISTENT_TILES
     programs = min(n_items, num_programs_for(q.device)) if persistent else n_items
-    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H,
-           H // k.shape[1], scale * LOG2E.value, n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK,
-           STAGES=stages, Q_BUFFERS=q_buffers, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, H // k.shape[1], scale * LOG2E.value,
+           n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=stages, Q_BUFFERS=q_buffers, CAUSAL=causal,
+           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return True
 
 
