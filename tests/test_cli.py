@@ -47,6 +47,29 @@ def test_python_dash_m_runs_the_command():
     assert run.returncode == 2 and "--suite" in run.stderr
 
 
+TOP_LEVEL_ANSWERS = """
+import sys
+from onepass.cli import main
+for argv in (["--help"], ["--version"], ["bench", "--help"], [], ["nosuch"]):
+    try:
+        main(argv)
+    except SystemExit as stop:
+        print(stop.code, file=sys.stderr)
+print("torch" in sys.modules)
+"""
+
+
+def test_help_version_and_a_bad_command_are_answered_before_torch_loads():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", TOP_LEVEL_ANSWERS], capture_output=True, text=True, check=False,
+                         timeout=120)
+    assert run.stdout.splitlines()[-1] == "False", run.stdout
+    assert [line for line in run.stderr.splitlines() if line in ("0", "2")] == ["0", "0", "0", "2", "2"], run.stderr
+    assert "{run,selfcheck,bench,analyze}" in run.stdout and "{ops,sweep,sweep-report,train,generate}" in run.stdout
+
+
 def test_dir_lists_the_public_api():
     import onepass
 

@@ -229,42 +229,69 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _command(sub, name: str, about: str, fn=None, hf: bool = False) -> argparse.ArgumentParser:
+def _command(sub, name: str, about: str, fn=None, hf: bool = False, options: bool = True) -> argparse.ArgumentParser:
     """A subcommand whose --help says what it does (``about``) and every option's default;
-    ``hf``: it builds Hugging Face models, so without transformers it is refused in one line."""
-    parser = sub.add_parser(name, help=about, description=about, formatter_class=_Help)
+    ``hf``: it builds Hugging Face models, so without transformers it is refused in one line;
+    ``options`` False: a command that will get no options, nor --help, here (build_parser's)."""
+    parser = sub.add_parser(name, help=about, description=about, formatter_class=_Help, add_help=options)
     if fn is not None:
         parser.set_defaults(fn=fn, hf=hf)
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(options: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``options`` False: the commands without their options or their own --help (whose
+    choices come from modules that import torch), enough for ``onepass --help``, ``--version``, ``onepass bench
+    --help`` and a missing or unknown command, answered before torch loads."""
     from onepass import __version__
+
+    parser = argparse.ArgumentParser(prog="onepass", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"onepass {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(group, name, about, fn, hf=False):
+        return _command(group, name, about, fn, hf, options)
+
+    command(sub, "run", "the main job: on a GPU every benchmark suite (as bench ops); without one, every op's "
+                        "self-check through Triton's interpreter, then the analyzer on llama-1b", _run)
+    command(sub, "selfcheck", "every op's kernels against its float64 reference (forward and every gradient; "
+                              "without a GPU through Triton's interpreter), and its byte budget", _selfcheck)
+    bench = _command(sub, "bench", "benchmarks on a CUDA GPU, every peer side by side in one run").add_subparsers(
+        dest="what", required=True)
+    bench_ops = command(bench, "ops", "every op against eager PyTorch, torch.compile and Liger-Kernel (GPU); "
+                                      "results as JSON and Markdown under --out/<gpu>/", _bench_ops)
+    bench_sweep = command(bench, "sweep", "every op, forward and forward+backward, over a grid of real model "
+                                          "shapes against eager PyTorch, torch.compile, PyTorch's fused path and "
+                                          "Liger-Kernel, each cell checked against eager before it is timed (GPU); "
+                                          "JSON, Markdown and heatmaps under --out/<gpu>/", _bench_sweep)
+    sweep_report = command(bench, "sweep-report", "a sweep's JSON as a Markdown summary and, where matplotlib is "
+                                                  "installed, heatmaps of onepass's ratio to the best peer (no GPU "
+                                                  "needed)", _bench_sweep_report)
+    bench_train = command(bench, "train", "a whole training step of a built-in model: eager, torch.compile, "
+                                          "Liger-Kernel, onepass (GPU; --gpus N: under FSDP2)", _bench_train, hf=True)
+    bench_generate = command(bench, "generate", "greedy generation with a built-in model: Hugging Face generate "
+                                                "(eager; static cache + torch.compile) against onepass's Decoder "
+                                                "(GPU)", _bench_generate, hf=True)
+    bench.metavar = "{" + ",".join(bench.choices) + "}"  # (a missing one is named so, not by its dest)
+    analyze = command(sub, "analyze", "where a model's HBM bytes and kernel launches go, and what fusing saves "
+                                      "(no GPU needed; --measure profiles real steps on one)", _analyze, hf=True)
+    if options:
+        _add_options(bench_ops, bench_sweep, sweep_report, bench_train, bench_generate, analyze)
+    return parser
+
+
+def _add_options(bench_ops, bench_sweep, sweep_report, bench_train, bench_generate, analyze) -> None:
+    from onepass.analyze.cli import add_arguments
     from onepass.bench.harness import SUITES
     from onepass.bench.sweep import GRID_SIZES
     from onepass.models.configs import CONFIGS
 
     models = sorted(CONFIGS)
-    parser = argparse.ArgumentParser(prog="onepass", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"onepass {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _command(sub, "run", "the main job: on a GPU every benchmark suite (as bench ops); without one, every op's "
-                         "self-check through Triton's interpreter, then the analyzer on llama-1b", _run)
-    _command(sub, "selfcheck", "every op's kernels against its float64 reference (forward and every gradient; "
-                               "without a GPU through Triton's interpreter), and its byte budget", _selfcheck)
-    bench = _command(sub, "bench", "benchmarks on a CUDA GPU, every peer side by side in one run").add_subparsers(
-        dest="what", required=True)
-    bench_ops = _command(bench, "ops", "every op against eager PyTorch, torch.compile and Liger-Kernel (GPU); "
-                                       "results as JSON and Markdown under --out/<gpu>/", _bench_ops)
     bench_ops.add_argument("--suite", action="append", choices=SUITES,
                            help="a suite to run (repeatable; default: all)")
     bench_ops.add_argument("--only", help="keep only the cases whose op name contains this (results written beside "
                                           "the full ones, as <suite>-only-<this>; default: every case)")
     bench_ops.add_argument("--out", default="benchmarks/results", help="results folder")
-    bench_sweep = _command(bench, "sweep", "every op, forward and forward+backward, over a grid of real model "
-                                           "shapes against eager PyTorch, torch.compile, PyTorch's fused path and "
-                                           "Liger-Kernel, each cell checked against eager before it is timed (GPU); "
-                                           "JSON, Markdown and heatmaps under --out/<gpu>/", _bench_sweep)
     bench_sweep.add_argument("--grid", choices=GRID_SIZES, default="quick",
                              help="quick: every op at two shapes (about 5 minutes on an H100); full: the whole grid "
                                   "(over an hour; bound it with --max-minutes)")
@@ -276,13 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sweep.add_argument("--resume", action="store_true", help="keep the cells an earlier run on this GPU "
                                                                    "wrote to the same results file; measure only "
                                                                    "those its time budget skipped")
-    sweep_report = _command(bench, "sweep-report", "a sweep's JSON as a Markdown summary and, where matplotlib is "
-                                                   "installed, heatmaps of onepass's ratio to the best peer (no GPU "
-                                                   "needed)", _bench_sweep_report)
     sweep_report.add_argument("json", help="the sweep's JSON file")
     sweep_report.add_argument("--out", help="folder for the report (default: beside the JSON)")
-    bench_train = _command(bench, "train", "a whole training step of a built-in model: eager, torch.compile, "
-                                           "Liger-Kernel, onepass (GPU; --gpus N: under FSDP2)", _bench_train, hf=True)
     bench_train.add_argument("--model", choices=models, help="a built-in model configuration (default: llama-1b; "
                                                              "llama-3b with --gpus or --max-seq)")
     bench_train.add_argument("--batch", type=_at_least(1), help="sequences a step (a GPU) (default: 4; 2 with --gpus)")
@@ -302,9 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_argument("--head-unit", action="store_true", help="the (untied) LM head an FSDP unit of its own")
     bench_train.add_argument("--rounds", type=_at_least(1), help="rounds over the variants (default: 2)")
     bench_train.add_argument("--out", default="benchmarks/results", help="results folder")
-    bench_generate = _command(bench, "generate", "greedy generation with a built-in model: Hugging Face generate "
-                                                 "(eager; static cache + torch.compile) against onepass's Decoder "
-                                                 "(GPU)", _bench_generate, hf=True)
     bench_generate.add_argument("--model", default="llama-1b", choices=models, help="a built-in model configuration")
     bench_generate.add_argument("--batch", type=_at_least(1), action="append",
                                 help="a batch size (repeatable; default: 1 and 8)")
@@ -315,15 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="skip HF generate with a static cache and torch.compile (its compile takes "
                                      "minutes)")
     bench_generate.add_argument("--out", default="benchmarks/results", help="results folder")
-    bench.metavar = "{" + ",".join(bench.choices) + "}"  # (a missing one is named so, not by its dest)
-    from onepass.analyze.cli import add_arguments
-
-    add_arguments(_command(sub, "analyze", "where a model's HBM bytes and kernel launches go, and what fusing saves "
-                                           "(no GPU needed; --measure profiles real steps on one)", _analyze, hf=True))
-    return parser
+    add_arguments(analyze)
 
 
 def main(argv: list[str] | None = None) -> int:
+    build_parser(options=False).parse_known_args(argv)  # --help, --version, no or an unknown command: exits here
     _interpret_without_gpu()
     args = build_parser().parse_args(argv)
     command = " ".join(filter(None, (args.command, getattr(args, "what", None))))
