@@ -8,15 +8,19 @@ distinct specialization is compiled for sm_90 (PTX and cubin: Triton's own compi
 specializations are made by Triton's own binder, as on the GPU: with the 16-byte alignment and
 divisibility hints, so the vectorized code a GPU runs is what compiles here.
 Run by tests/ops/test_compile_sm90.py in a process without TRITON_INTERPRET; prints one line a
-compiled specialization, raises on the first that does not compile.
+compiled specialization, raises on the first that does not compile or whose wgmma ptxas serializes.
 """
 
 import importlib
+import os
 import pkgutil
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -167,6 +171,21 @@ def cases():
     ops("adamw")._adamw_launch(params, params, params, params, 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
 
 
+def _no_serialized_wgmma(name: str, ptx: str) -> None:
+    """Raise where ptxas serializes a kernel's wgmma (its warning C7514: a register of an accumulator read while
+    the wgmma writing it may still run, or a wgmma in flight across a branch): every tensor-core product of the
+    kernel then waits for the one before, which the compile itself does not report (a Gluon forward so built ran
+    15-20% slower: results/h200/attention_gluon_fwd.log, runs 11-12)."""
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([knobs.nvidia.ptxas.path, f"--gpu-name=sm_{TARGET.arch}a", source, "-o",
+                              os.path.join(folder, "kernel.cubin")], capture_output=True, text=True, check=True)
+    if "C7514" in run.stderr:
+        raise RuntimeError(f"{name}: ptxas serializes its wgmma: {run.stderr.strip()}")
+
+
 def compile_recorded():
     """Each recorded launch specialized by Triton's own binder (dtypes, 16-byte alignment, integers
     divisible by 16 or equal to 1), as a launch on the GPU does, then compiled once a specialization."""
@@ -181,7 +200,9 @@ def compile_recorded():
             continue
         seen.add(key)
         source = GluonASTSource if kernel.is_gluon() else ASTSource
-        triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+        compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+        if "wgmma.mma_async" in compiled.asm["ptx"]:
+            _no_serialized_wgmma(kernel.__name__, compiled.asm["ptx"])
         shown = {kernel.arg_names[path[0]]: v for path, v in constexprs.items() if kernel.arg_names[path[0]].isupper()}
         print(kernel.__name__, shown, {"num_warps": options.num_warps, "num_stages": options.num_stages}, flush=True)
 
