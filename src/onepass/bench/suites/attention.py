@@ -8,6 +8,12 @@ FLOPs: 4 * B * H * S^2 * D forward (half of it causal), 3.5x that forward + back
 Also Llama-3.2-1B's training attention: B4 S2048, 32 q / 8 kv heads of 64, causal
 (grouped-query: SDPA with enable_gqa), the shape ``onepass bench train`` runs.
 
+And the masks cuDNN's and FlashAttention-2's SDPA backends cannot take (issue 32): a causal sliding window
+(Mistral's 4096 keys, head dim 128) and Gemma 2's (window 4096 with its logit softcap 50, head dim 256), against
+compiled FlexAttention (a block mask, the softcap as its score_mod) and SDPA given the window as a boolean mask
+(which PyTorch runs on its memory-efficient or math backend); the softcap only onepass and Flex compute.
+FLOPs: 4 * B * H * D * (the keys each query sees, summed).
+
 Decode: one new token, 32 q heads / 8 kv heads, caches of 4k, 32k, 128k positions (all
 valid), batch 1 and 8, against SDPA (enable_gqa) and the HF-style eager loop; and a ragged
 batch (8 caches of 16k positions, valid lengths 1 to 16k), SDPA with the padding masked.
@@ -38,6 +44,12 @@ DECODE_RAGGED = (8, 16384)  # batch, cache: lengths evenly spaced from 1 to the 
 
 
 LLAMA_1B = {"batch": 4, "seq_len": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64}  # grouped-query, causal
+WINDOWED = {  # causal, grouped-query
+    "Mistral": {"batch": 1, "seq_len": 16384, "heads": 32, "kv_heads": 8, "head_dim": 128, "window": 4096,
+                "softcap": None},
+    "Gemma 2": {"batch": 2, "seq_len": 8192, "heads": 8, "kv_heads": 4, "head_dim": 256, "window": 4096,
+                "softcap": 50.0},
+}
 
 
 def _sdpa(backend):
@@ -85,6 +97,40 @@ def _make_prefill(seq_len: int, causal: bool, mode: str, batch: int | None = Non
             "sdpa-cudnn": step(_sdpa(SDPBackend.CUDNN_ATTENTION), q, k, v, causal),
             "flex (compiled)": None if grouped else step(_flex(seq_len, causal), q, k, v, causal),
             "eager": eager,
+        })
+
+    return make
+
+
+def _make_windowed(mode: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, window: int,
+                   softcap: float | None):
+    grad = mode == "fwd+bwd"
+    step = fwd_bwd if grad else fwd
+
+    def make():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        q = torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+        k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+                for _ in range(2))
+
+        def visible(b, h, q_idx, kv_idx):  # the query and the window - 1 keys before it
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+        def capped(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+        torch._dynamo.reset()  # one compile a case (see _flex)
+        block_mask = create_block_mask(visible, None, None, seq_len, seq_len, device="cuda")
+        compiled = torch.compile(flex_attention)
+        positions = torch.arange(seq_len, device="cuda")
+        mask = visible(None, None, positions[:, None], positions[None, :])
+        return variants(**{
+            "onepass": step(lambda *t: ops.attention(*t, causal=True, window=window, softcap=softcap), q, k, v),
+            "flex (compiled)": step(lambda *t: compiled(*t, score_mod=capped if softcap else None,
+                                                        block_mask=block_mask, enable_gqa=True), q, k, v),
+            "sdpa (boolean mask)": None if softcap else step(
+                lambda *t: F.scaled_dot_product_attention(*t, attn_mask=mask, enable_gqa=True), q, k, v),
         })
 
     return make
@@ -149,6 +195,15 @@ def cases() -> list[Case]:
     for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
         out.append(Case("attention", mode, shape, _make_prefill(causal=True, mode=mode, **llama),
                         flops=int(flops * mult), measure_memory=True))
+    for name, case in WINDOWED.items():
+        seq_len, window = case["seq_len"], case["window"]
+        seen = window * (window + 1) // 2 + (seq_len - window) * window  # keys each query sees, summed
+        flops = 4 * case["batch"] * case["heads"] * seen * case["head_dim"]
+        shape = (f"B{case['batch']} H{case['heads']}/{case['kv_heads']} S{seq_len} D{case['head_dim']} causal, window "
+                 f"{window}" + (f", softcap {case['softcap']:g}" if case["softcap"] else "") + f" bf16 ({name})")
+        for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+            out.append(Case("attention", mode, shape, _make_windowed(mode, **case), flops=int(flops * mult),
+                            measure_memory=True))
     for batch in DECODE_BATCHES:
         for cache_len in DECODE_CACHE_LENS:
             kv_bytes = decode_kv_bytes(batch, cache_len)
