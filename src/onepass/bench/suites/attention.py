@@ -1,4 +1,4 @@
-"""Attention: training/prefill (fwd, fwd+bwd) and split-KV decode, bf16, head dim 128.
+"""Attention: training/prefill (fwd, fwd+bwd) and split-KV decode, bf16, head dim 128 (the named models: theirs).
 
 Prefill: 16384 tokens per batch (B = 16384 / S), 32 heads, S = 1024, 4096, 16384, full and
 causal, against SDPA's flash (FlashAttention-2) and cuDNN backends and compiled
