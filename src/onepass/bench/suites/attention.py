@@ -62,19 +62,31 @@ def _sdpa(backend):
     return run
 
 
-def _flex(seq_len, causal):
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _flex(seq_len, visible=None, score_mod=None):
+    """Compiled FlexAttention over the keys ``visible`` (a mask_mod; None: all) with ``score_mod``; called as
+    (q, k, v, ...), grouped-query heads where k has fewer."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # One compile per case: twelve cases through one compiled function pass dynamo's
     # recompile limit (8), after which flex_attention silently runs unfused: far slower, with
     # the [S, S] scores in memory (the run that showed it is in CHANGELOG.md).
     torch._dynamo.reset()
-    block_mask = None
-    if causal:
-        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len,
-                                       device="cuda")
+    block_mask = None if visible is None else create_block_mask(visible, None, None, seq_len, seq_len, device="cuda")
     compiled = torch.compile(flex_attention)
-    return lambda q, k, v, causal: compiled(q, k, v, block_mask=block_mask)
+    return lambda q, k, v, *_: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                        enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _inputs(batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int, grad: bool):
+    """Random q [B, heads, S, D] and k, v [B, kv_heads, S, D] on the GPU."""
+    q = torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+    k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
+            for _ in range(2))
+    return q, k, v
 
 
 def _make_prefill(seq_len: int, causal: bool, mode: str, batch: int | None = None, heads: int = HEADS,
@@ -86,16 +98,14 @@ def _make_prefill(seq_len: int, causal: bool, mode: str, batch: int | None = Non
     def make():
         from torch.nn.attention import SDPBackend
 
-        q = torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
-        k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
-                for _ in range(2))
+        q, k, v = _inputs(batch, heads, kv_heads, seq_len, head_dim, grad)
         grouped = kv_heads != heads
         eager = step(reference.attention, q, k, v, causal) if seq_len <= EAGER_MAX_SEQ and not grouped else None
         return variants(**{
             "onepass": step(ops.attention, q, k, v, causal),
             "sdpa-flash": step(_sdpa(SDPBackend.FLASH_ATTENTION), q, k, v, causal),
             "sdpa-cudnn": step(_sdpa(SDPBackend.CUDNN_ATTENTION), q, k, v, causal),
-            "flex (compiled)": None if grouped else step(_flex(seq_len, causal), q, k, v, causal),
+            "flex (compiled)": None if grouped else step(_flex(seq_len, _causal if causal else None), q, k, v, causal),
             "eager": eager,
         })
 
@@ -108,11 +118,7 @@ def _make_windowed(mode: str, batch: int, seq_len: int, heads: int, kv_heads: in
     step = fwd_bwd if grad else fwd
 
     def make():
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        q = torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
-        k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, device="cuda", dtype=DTYPE, requires_grad=grad)
-                for _ in range(2))
+        q, k, v = _inputs(batch, heads, kv_heads, seq_len, head_dim, grad)
 
         def visible(b, h, q_idx, kv_idx):  # the query and the window - 1 keys before it
             return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
@@ -120,15 +126,11 @@ def _make_windowed(mode: str, batch: int, seq_len: int, heads: int, kv_heads: in
         def capped(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
 
-        torch._dynamo.reset()  # one compile a case (see _flex)
-        block_mask = create_block_mask(visible, None, None, seq_len, seq_len, device="cuda")
-        compiled = torch.compile(flex_attention)
         positions = torch.arange(seq_len, device="cuda")
         mask = visible(None, None, positions[:, None], positions[None, :])
         return variants(**{
             "onepass": step(lambda *t: ops.attention(*t, causal=True, window=window, softcap=softcap), q, k, v),
-            "flex (compiled)": step(lambda *t: compiled(*t, score_mod=capped if softcap else None,
-                                                        block_mask=block_mask, enable_gqa=True), q, k, v),
+            "flex (compiled)": step(_flex(seq_len, visible, capped if softcap else None), q, k, v),
             "sdpa (boolean mask)": None if softcap else step(
                 lambda *t: F.scaled_dot_product_attention(*t, attn_mask=mask, enable_gqa=True), q, k, v),
         })
