@@ -14,7 +14,8 @@ def test_kernels_compile_for_sm90_at_real_sizes():
     assert run.returncode == 0, run.stderr[-4000:]
     compiled = run.stdout.splitlines()
     for kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_attn_fwd_kernel", "_attn_bwd_dkdv_kernel",
-                   "_attn_bwd_dq_kernel", "_attn_fwd_hopper_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+                   "_attn_bwd_dq_kernel", "_attn_fwd_hopper_kernel", "_attn_dq_hopper_kernel",
+                   "_attn_dkdv_hopper_kernel", "_decode_split_kernel", "_decode_merge_kernel",
                    "_decode_linear_kernel",
                    "_rope_kernel", "_rope_flat_kernel",
                    "_cross_entropy_fwd_kernel", "_act_bwd_kernel", "_softmax_bwd_kernel", "_moe_up_kernel",

@@ -590,7 +590,8 @@ def _descriptor(t2: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
 @functools.cache
 def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     """The shared-memory layout of [rows, head_dim] tiles of ``dtype``, computed once: Triton's get_default_for
-    took most of a descriptor's host time (~30 of ~45 us on a 2-core CPU; a fwd+bwd step makes 15 descriptors)."""
+    was most of a descriptor's host time, and a fwd+bwd step builds 15 descriptors
+    (results/host_attention_descriptors.log)."""
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
                                                 else gl.float16)
 
