@@ -107,16 +107,17 @@ def cases():
         o, lse = attention._attention_fwd_launch(q, k, k, None, d ** -0.5, -1, 0 if causal else -1, None, "bhsd")
         attention._attention_bwd_launch(q, q, k, k, o, lse, None, None, d ** -0.5, -1, 0 if causal else -1, None,
                                         "bhsd")
-    hopper = ops("attention_hopper")  # the Gluon forward and backward, bhsd and bshd memory
-    for d, causal, layout in ((64, False, "bhsd"), (64, True, "bhsd"), (128, True, "bhsd"), (128, False, "bshd")):
+    hopper = ops("attention_hopper")  # the Gluon forward and backward, bhsd and bshd memory, causal windows
+    for d, causal, before, layout in ((64, False, -1, "bhsd"), (64, True, -1, "bhsd"), (64, True, 300, "bhsd"),
+                                      (128, True, -1, "bhsd"), (128, False, -1, "bshd"), (128, True, 300, "bhsd")):
         q, k = empty(1, 32, 2048, d), empty(1, 8, 2048, d)
         if layout == "bshd":
             q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
         lse = torch.empty(1, 32, 2048)
-        hopper.forward((q, k, k), torch.empty_like(q), lse, d ** -0.5, causal)
+        assert hopper.forward((q, k, k), torch.empty_like(q), lse, d ** -0.5, causal, before)
         if (d, causal) in hopper.GLUON_BWD:
-            hopper.backward((q, k, k, q, q, q, k, k), lse, lse, lse, d ** -0.5, causal)
-    assert hopper.backward((q, k, k, q, q, q, k, k), lse, None, lse, 0.088, True)  # causal, no dLSE
+            assert hopper.backward((q, k, k, q, q, q, k, k), lse, lse, lse, d ** -0.5, causal, before)
+    assert hopper.backward((q, k, k, q, q, q, k, k), lse, None, lse, 0.088, True, -1)  # causal, no dLSE
     q, k, cu = empty(4096, 32, 128), empty(4096, 8, 128), torch.tensor([0, 1000, 4096], dtype=torch.int32)
     o, lse = attention._attention_fwd_launch(q, k, k, cu, 0.088, -1, 0, None, "bshd")  # varlen, causal
     attention._attention_bwd_launch(q, q, k, k, o, lse, None, cu, 0.088, -1, 0, None, "bshd")

@@ -287,7 +287,8 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
 
 def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     """Which calls take the Gluon forward (attention_hopper; its launch recorded here, as on a Hopper GPU): head dim 128
-    or 64, full or causal, whole 128-row tiles, bhsd or bshd memory, k and v alike; not a window, a softcap,
+    or 64, full, causal or a causal window, whole 128-row tiles, bhsd or bshd memory, k and v alike; not a window
+    reaching keys after the query, a softcap,
     varlen, fp32, a padded or other head dim, a part tile, more keys than queries, an expanded or
     odd-strided k, unlike k and v, or a call under TMA_MIN_FLOPS. The others launch the portable kernel."""
     attention_module = sys.modules["onepass.ops.attention"]
@@ -316,9 +317,12 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     assert route(*(qkv[..., a:b].view(2, 256, -1, 128) for a, b in ((0, 512), (512, 768), (768, 1024))),
                  layout="bshd") == "hopper"
     assert route(q, t(1, 2, 256, 144)[..., :128]) == "hopper"  # rows 288 bytes apart
-    for call in (dict(causal=True, window=64), dict(softcap=30.0), dict(causal=True, scale=0.5)):
-        assert route(q, k, **call) == ("hopper" if "scale" in call else "portable"), call
-    assert route(q[..., :64], k[..., :64], causal=True) == "hopper"
+    for call in (dict(causal=True, window=64), dict(window=(3, 0)), dict(causal=True, scale=0.5)):
+        assert route(q, k, **call) == "hopper", call
+    for call in (dict(window=64), dict(window=(3, 2)), dict(softcap=30.0)):
+        assert route(q, k, **call) == "portable", call
+    assert route(q[..., :64], k[..., :64], causal=True) == route(q[..., :64], k[..., :64], causal=True,
+                                                                 window=100) == "hopper"
     assert route(t(1, 4, 256, 80), t(1, 2, 256, 80)) == "portable"
     assert route(t(1, 4, 256, 128, dtype=torch.float32), t(1, 2, 256, 128, dtype=torch.float32)) == "portable"
     assert route(q[:, :, :200], k[:, :, :200]) == "portable"  # a part tile
@@ -342,23 +346,26 @@ def test_hopper_forward_programs(device, monkeypatch):
     monkeypatch.setattr(hopper, "num_programs_for", lambda device: 4)  # an SM count
     monkeypatch.setattr(hopper, "launch", lambda kernel, grid, *args, **meta: grids.append(grid))
 
-    def programs(seqlen, head_dim, causal):
+    def programs(seqlen, head_dim, causal, window=None):
         grids.clear()
         q = torch.zeros(1, 4, seqlen, head_dim, dtype=torch.float16, device=device)
-        ops.attention(q, q[:, :2], q[:, :2], causal=causal)
+        ops.attention(q, q[:, :2], q[:, :2], causal=causal, window=window)
         return grids[0]
 
     assert programs(256, 128, True) == (4, )  # 8 items of 1.5 key tiles
     assert programs(2048, 128, False) == (4, )  # 64 items of 16 tiles
     assert programs(4096, 128, True) == (128, )  # 128 items of 16.5 tiles: one a program
     assert programs(4096, 128, False) == (128, )  # 32 tiles
+    assert programs(4096, 128, True, window=512) == (4, )  # at most 6 tiles an item
+    assert programs(8192, 128, True, window=4096) == (256, )  # 33
     assert programs(4096, 64, False) == programs(4096, 64, True) == (4, )  # head dim 64: two Q buffers
 
 
 def test_hopper_backward_only_where_it_covers(device, monkeypatch):
     """Which backward calls take the Gluon kernels (their launches recorded, as on a Hopper GPU): head dim 128 full or
-    causal, grouped-query heads, bhsd or bshd memory, fused q/k/v slices, a gradient into the LSE; not head dim 64,
-    a window, a softcap, a part tile, or a dO whose rows TMA cannot address. The others launch the portable ones."""
+    causal, a causal window, grouped-query heads, bhsd or bshd memory, fused q/k/v slices, a gradient into the LSE;
+    not head dim 64, a window reaching keys after the query, a softcap, a part tile, or a dO whose rows TMA cannot
+    address. The others launch the portable ones."""
     attention_module = sys.modules["onepass.ops.attention"]
     hopper = pytest.importorskip("onepass.ops.attention_hopper")
     taken = []
@@ -386,9 +393,10 @@ def test_hopper_backward_only_where_it_covers(device, monkeypatch):
     assert route(*(qkv[..., a:b].view(2, 256, -1, 128) for a, b in ((0, 512), (512, 768), (768, 1024))),
                  layout="bshd") == {"hopper"}
     assert route(q, k, do=t(1, 256, 4, 128).transpose(1, 2)) == {"hopper"}  # dO in another memory order
-    for call in (dict(causal=True, window=64), dict(softcap=30.0)):
+    assert route(q, k, causal=True, window=64) == {"hopper"}
+    for call in (dict(window=64), dict(softcap=30.0)):
         assert route(q, k, **call) == {"portable"}, call
-    assert route(q[..., :64], k[..., :64]) == route(q[..., :64], k[..., :64], causal=True) == {"portable"}
+    assert route(q[..., :64], k[..., :64]) == route(q[..., :64], k[..., :64], causal=True, window=9) == {"portable"}
     assert route(q[:, :, :200], k[:, :, :200]) == {"portable"}  # a part tile
     assert route(q, k, do=t(1, 4, 256, 132)[..., :128]) == {"portable"}  # dO rows 264 bytes apart
 
@@ -416,12 +424,17 @@ def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
 @pytest.mark.parametrize("head_dim, kw, persistent_tiles", [(64, dict(), 16), (128, dict(), 16),
                                                             (128, dict(causal=True), 16),
                                                             (128, dict(causal=True, layout="bshd"), 16),
-                                                            (128, dict(causal=True), 0)])
+                                                            (128, dict(causal=True), 0),
+                                                            (128, dict(causal=True, window=300), 16),
+                                                            (128, dict(causal=True, window=1024), 0),
+                                                            (128, dict(causal=True, window=1), 16),
+                                                            (64, dict(causal=True, window=100), 16)])
 def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
     """The Gluon forward and (GLUON_BWD) backward, which on a Hopper GPU must take these calls, against the float64
     reference with a gradient into the LSE, grouped-query heads, 12 query blocks (192 work items: persistent programs
-    take one or two; PERSISTENT_TILES 0 at head dim 128, one a program); and at another scale against the portable
-    kernels."""
+    take one or two; PERSISTENT_TILES 0 at head dim 128, one a program), causal windows that start inside a tile, on
+    a tile's edge, within a warpgroup's rows (the rows after the first see none of the item's first tile) and of one
+    key; and at another scale against the portable kernels."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on compute capability 9 only")
     import onepass.ops.attention_hopper as attention_hopper

@@ -20,7 +20,8 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
 
 The output and the natural-log LSE are the portable kernel's: either backward follows either forward. Calls covered
 (attention's launcher, then ``forward``/``backward``): a CUDA device of compute capability 9 with a Triton of
-attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), no window, softcap or varlen,
+attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), the causal mask with or without
+a window (a query sees its own key and the ``before`` keys before it: Mistral's, Gemma's), no softcap or varlen,
 as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host tensor
 descriptors), at least attention.TMA_MIN_FLOPS, and tensors whose [S, D] rows lie as TMA can address them
 (``rows_2d``).
@@ -99,8 +100,8 @@ def _work_item(w, n_bh, n_blocks, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-              n_bh, n_heads, group, seqlen, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK: gl.constexpr,
-              STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+              n_bh, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK: gl.constexpr,
+              STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """This program's items in turn: each one's Q tile, into a buffer its consumers have stored the O of an earlier
     item from, and its K/V tiles into the ring, which runs on across items (the next item's first tiles load while
     the consumers finish the last). With one Q buffer, Q is loaded after the item's first STAGES K/V tiles: the
@@ -117,11 +118,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             n_tiles = m_block + 1
         else:
             n_tiles = n_blocks
+        lo = _first_tile(m_block * BLOCK, before, BLOCK, WINDOW)
         if Q_BUFFERS == 1:  # K/V tiles loaded before Q
-            q_at = gl.minimum(STAGES, n_tiles)
+            q_at = gl.minimum(lo + STAGES, n_tiles)
         else:
-            q_at = 0
-        for j in range(n_tiles):
+            q_at = lo
+        for j in range(lo, n_tiles):
             if j == q_at:
                 _load_q(q_desc, q_smem, q_ready, q_empty, n, b * q_rb + h * q_rh + m_block * BLOCK, h * q_ch,
                         Q_BUFFERS)
@@ -149,23 +151,57 @@ def _load_q(q_desc, q_smem, q_ready, q_empty, n, row, col, Q_BUFFERS: gl.constex
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, rows, tile_start, MASK: gl.constexpr, BLOCK_N: gl.constexpr,
-                  s_layout: gl.constexpr):
+def _seen(queries, keys, before, WINDOW: gl.constexpr):
+    """Whether a query sees a key, queries aligned to keys: causal, and with WINDOW only the ``before`` keys before
+    the query's own (attention's (before, 0) window)."""
+    seen = keys <= queries
+    if WINDOW:
+        seen = seen & (keys >= queries - before)
+    return seen
+
+
+@gluon.jit
+def _first_tile(first_query, before, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+    """The first key tile a block of queries from ``first_query`` on sees: 0, or with WINDOW the first holding a key
+    of its first query's window."""
+    if WINDOW:
+        return gl.maximum(first_query - before, 0) // BLOCK_N
+    else:
+        return 0
+
+
+@gluon.jit
+def _window_full(last_query, before, n_tiles, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+    """With WINDOW, the first key tile (at most n_tiles) none of whose keys lie before the window of a query up to
+    ``last_query``: the tiles before it need the mask. Else 0."""
+    if WINDOW:
+        return gl.minimum((gl.maximum(last_query - before, 0) + BLOCK_N - 1) // BLOCK_N, n_tiles)
+    else:
+        return 0
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, rows, tile_start, before, MASK: gl.constexpr, WINDOW: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One tile's online-softmax step in base 2: (p, new row max, new row sum, rescale of the old sums)."""
     s = s * qk_scale
-    if MASK:  # causal, queries aligned to keys: a row keeps the keys at or before its position
+    if MASK:
         cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
+        s = gl.where(_seen(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), before, WINDOW), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    if MASK and WINDOW:  # a row may have seen no key yet (its window starts in a later tile): no -inf - -inf
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
 
 @gluon.jit
 def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op, m_i, l_i, rows, qk_scale,
-          MASK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-          o_layout: gl.constexpr, p_layout: gl.constexpr):
+          before, MASK: gl.constexpr, WINDOW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Tile j's (the ring's tile r) q k^T, issued before tile j-1's P V; tile j's softmax while P V runs; then tile
     j-1's stage released."""
     stage = r % STAGES
@@ -175,7 +211,8 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
     mbarrier.wait(v_ready.index(prev), ((r - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, MASK, BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, before, MASK, WINDOW, BLOCK_N,
+                                       s_layout)
     o = warpgroup_mma_wait(0, deps=(o_tok, ))
     _barrier()  # the warpgroup's 4 warps are done with tile j-1's K and V: one arrival for all
     mbarrier.arrive(kv_empty.index(prev))
@@ -185,9 +222,9 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh,
-              n_heads, seqlen, qk_scale, o_rb, o_rh, o_ch, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+              n_heads, seqlen, before, qk_scale, o_rb, o_rh, o_ch, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """Query rows [HALF * BLOCK_M / 2, ...) of each of this program's items: the online softmax over the item's key
     tiles, then O and LSE."""
     WG_M: gl.constexpr = BLOCK_M // 2
@@ -204,15 +241,19 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
         bh, m_block = _work_item(w, n_bh, n_blocks, CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
-        if CAUSAL:  # tiles [0, n_full) lie wholly before these rows: no mask
+        first = m_block * BLOCK_M + HALF * WG_M
+        if CAUSAL:  # tiles before n_full lie wholly before these rows
             n_tiles = m_block + 1
-            n_full = (m_block * BLOCK_M + HALF * WG_M) // BLOCK_N
+            n_full = first // BLOCK_N
         else:
             n_tiles = n_blocks
             n_full = n_blocks
+        # the item's tiles [lo, n_tiles); those before lower_full hold a key before some of these rows' windows
+        lo = _first_tile(m_block * BLOCK_M, before, BLOCK_N, WINDOW)
+        lower_full = _window_full(first + WG_M - 1, before, n_tiles, BLOCK_N, WINDOW)
         buf = n % Q_BUFFERS
         my_q = q_smem.index(buf).slice(HALF * WG_M, WG_M)
-        rows = m_block * BLOCK_M + HALF * WG_M + gl.arange(0, WG_M, layout=row_layout)
+        rows = first + gl.arange(0, WG_M, layout=row_layout)
         m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([WG_M], gl.float32, layout=row_layout)
         o = gl.zeros([WG_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -221,21 +262,31 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
         mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
         s = warpgroup_mma(my_q, k_smem.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        if n_full == 0:
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, True, BLOCK_N, s_layout)
+        if CAUSAL and ((lo < lower_full) | (lo >= n_full)):
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, lo * BLOCK_N, before, True, WINDOW,
+                                               BLOCK_N, s_layout)
         else:
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, False, BLOCK_N, s_layout)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, lo * BLOCK_N, before, False, WINDOW,
+                                               BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_full):
-            o, p_op, m_i, l_i = _step(t + j, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op,
-                                      m_i, l_i, rows, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
-        if CAUSAL:  # (separate loops: the mask's registers stay out of the unmasked one)
-            for j in range(gl.maximum(n_full, 1), n_tiles):
-                o, p_op, m_i, l_i = _step(t + j, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
-                                          p_op, m_i, l_i, rows, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout,
-                                          p_layout)
-        last = (t + n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((t + n_tiles - 1) // STAGES) & 1)
+        # (separate loops: the mask's registers stay out of the unmasked one; ring position t + j - lo)
+        if WINDOW:
+            for j in range(lo + 1, lower_full):
+                o, p_op, m_i, l_i = _step(t + j - lo, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
+                                          p_op, m_i, l_i, rows, qk_scale, before, True, WINDOW, BLOCK_N, STAGES,
+                                          s_layout, o_layout, p_layout)
+        for j in range(gl.maximum(lo + 1, lower_full), n_full):
+            o, p_op, m_i, l_i = _step(t + j - lo, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
+                                      p_op, m_i, l_i, rows, qk_scale, before, False, WINDOW, BLOCK_N, STAGES,
+                                      s_layout, o_layout, p_layout)
+        if CAUSAL:
+            for j in range(gl.maximum(gl.maximum(n_full, lower_full), lo + 1), n_tiles):
+                o, p_op, m_i, l_i = _step(t + j - lo, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
+                                          p_op, m_i, l_i, rows, qk_scale, before, True, WINDOW, BLOCK_N, STAGES,
+                                          s_layout, o_layout, p_layout)
+        n_seen = n_tiles - lo
+        last = (t + n_seen - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((t + n_seen - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o_tok, ))
         _barrier()
@@ -251,15 +302,15 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
         tma.store_wait(0)
         _barrier()  # the O tile is read out of the Q buffer: one arrival for the warpgroup
         mbarrier.arrive(q_empty.index(buf))
-        t += n_tiles
+        t += n_seen
         n += 1
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, qk_scale, n_items,
-                            q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch, HEAD_DIM: gl.constexpr,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, before, qk_scale,
+                            n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch, HEAD_DIM: gl.constexpr,
                             BLOCK: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr):
+                            WINDOW: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Each program takes work items (batch, head, block of BLOCK queries) pid, pid + programs, ... (one a program, or
     persistent: PERSISTENT_TILES).
     A tile of (b, h, rows s...) sits at row b * rb + h * rh + s, column h * ch of its tensor's 2-D view (rows_2d)."""
@@ -282,14 +333,14 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_h
         mbarrier.init(kv_empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, n_heads, seqlen, qk_scale, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK, BLOCK, STAGES, Q_BUFFERS,
-                     CAUSAL)),
+                     n_bh, n_heads, seqlen, before, qk_scale, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK, BLOCK, STAGES,
+                     Q_BUFFERS, CAUSAL, WINDOW)),
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, n_heads, seqlen, qk_scale, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK, BLOCK, STAGES, Q_BUFFERS,
-                     CAUSAL)),
+                     n_bh, n_heads, seqlen, before, qk_scale, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK, BLOCK, STAGES,
+                     Q_BUFFERS, CAUSAL, WINDOW)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     n_items, n_bh, n_heads, group, seqlen, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK, STAGES,
-                     Q_BUFFERS, CAUSAL)),
+                     n_items, n_bh, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK,
+                     STAGES, Q_BUFFERS, CAUSAL, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -351,21 +402,22 @@ def _pair_producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_sme
 
 
 @gluon.jit
-def _dq_tile(t, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, MASK: gl.constexpr,
-             WG_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-             op_layout: gl.constexpr):
-    """Key tile t's share of the warpgroup's dQ: s = q k^T and dp = dO v^T issued together, p while dp runs."""
-    stage = t % STAGES
-    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+def _dq_tile(r, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, before,
+             MASK: gl.constexpr, WINDOW: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Key tile j's (the ring's tile r) share of the warpgroup's dQ: s = q k^T and dp = dO v^T issued together, p
+    while dp runs."""
+    stage = r % STAGES
+    mbarrier.wait(ready.index(stage), (r // STAGES) & 1)
     k_tile = k_smem.index(stage)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
     s_tok = warpgroup_mma(q_wg, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_wg, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     s = s * qk_scale - gl.expand_dims(lse, 1)
-    if MASK:  # causal: query q sees key k iff k <= q
-        cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(_seen(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), before, WINDOW), s, float("-inf"))
     p = gl.exp2(s)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
     ds = p * (dp - gl.expand_dims(delta, 1))
@@ -378,9 +430,9 @@ def _dq_tile(t, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta,
 
 @gluon.jit
 def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar, ready,
-                 empty, dq_row, dq_col, o_base, o_ss, stats_row, m_block, n_tiles, qk_scale, scale, HALF: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr):
+                 empty, dq_row, dq_col, o_base, o_ss, stats_row, m_block, lo, n_tiles, before, qk_scale, scale,
+                 HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, HAS_DLSE: gl.constexpr):
     """Query rows [HALF * BLOCK_M / 2, ...) of the block: their delta = rowsum(dO * O) - dLSE (stored for the dK/dV
     kernel), then dQ over their key tiles."""
     WG_M: gl.constexpr = BLOCK_M // 2
@@ -407,13 +459,20 @@ def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, 
         n_full = first // BLOCK_N
     else:
         n_full = n_tiles
-    for t in range(0, n_full):
-        dq = _dq_tile(t, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, False, WG_M,
-                      BLOCK_N, STAGES, s_layout, op_layout)
-    if CAUSAL:  # (separate loops: the mask's registers stay out of the unmasked one)
-        for t in range(n_full, n_tiles):
-            dq = _dq_tile(t, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, True, WG_M,
-                          BLOCK_N, STAGES, s_layout, op_layout)
+    # the block's tiles [lo, n_tiles); those before lower_full hold a key before some of these rows' windows
+    lower_full = _window_full(first + WG_M - 1, before, n_tiles, BLOCK_N, WINDOW)
+    # (separate loops: the mask's registers stay out of the unmasked one; ring position j - lo)
+    if WINDOW:
+        for j in range(lo, lower_full):
+            dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale,
+                          before, True, WINDOW, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
+    for j in range(gl.maximum(lo, lower_full), n_full):
+        dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, before,
+                      False, WINDOW, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
+    if CAUSAL:
+        for j in range(gl.maximum(gl.maximum(n_full, lower_full), lo), n_tiles):
+            dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale,
+                          before, True, WINDOW, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
     q_wg.store((dq * scale).to(q_wg.dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
     fence_async_shared()
     _barrier()
@@ -423,9 +482,9 @@ def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, 
 
 @gluon.jit
 def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, seqlen,
-                           n_heads, group, qk_scale, scale, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
-                           dq_rb, dq_rh, dq_ch, o_sb, o_sh, o_ss, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           n_heads, group, before, qk_scale, scale, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh,
+                           k_ch, dq_rb, dq_rh, dq_ch, o_sb, o_sh, o_ss, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                            HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dQ (and delta) of one (batch, head, block of BLOCK_M queries): Q and dO loaded once, a ring of K/V tiles."""
     bh, m_block = _program_block(seqlen // BLOCK_M, CAUSAL, False)
@@ -437,6 +496,7 @@ def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_
     else:
         n_tiles = seqlen // BLOCK_N
     start = m_block * BLOCK_M
+    lo = _first_tile(start, before, BLOCK_N, WINDOW)
     q_smem, do_smem, k_smem, v_smem, fixed_bar, ready, empty = _pair_buffers(q_desc, do_desc, k_desc, v_desc,
                                                                                BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     o_base = b.to(gl.int64) * o_sb + h.to(gl.int64) * o_sh
@@ -444,21 +504,21 @@ def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_
     dq_row = b * dq_rb + h * dq_rh + start
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar,
-                        ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, n_tiles, qk_scale, scale,
-                        0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DLSE)),
+                        ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, lo, n_tiles, before,
+                        qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, HAS_DLSE)),
         (_dq_consumer, (dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar,
-                        ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, n_tiles, qk_scale, scale,
-                        1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_DLSE)),
+                        ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, lo, n_tiles, before,
+                        qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, HAS_DLSE)),
         (_pair_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, fixed_bar, ready, empty,
                           b * q_rb + h * q_rh + start, h * q_ch, b * do_rb + h * do_rh + start, h * do_ch,
-                          kv_row, hk * k_ch, 0, 0, kv_row, hk * k_ch, 0, 0, 1, 0, n_tiles, BLOCK_N, STAGES)),
+                          kv_row, hk * k_ch, 0, 0, kv_row, hk * k_ch, 0, 0, 1, lo, n_tiles, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
 def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, dk, dv, keys, qk_scale,
-               MASK: gl.constexpr, WG_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               s_layout: gl.constexpr, op_layout: gl.constexpr):
+               before, MASK: gl.constexpr, WINDOW: gl.constexpr, WG_N: gl.constexpr, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """Query tile i's share of the warpgroup's dK and dV, keys as rows: sT = k q^T and dpT = v dO^T issued together,
     pT while dpT runs, then dV += pT dO and dK += dsT q together."""
     stage = t % STAGES
@@ -473,8 +533,8 @@ def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_p
     delta = gl.load(delta_ptr + stats_row + queries)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     s = s * qk_scale - gl.expand_dims(lse, 0)
-    if MASK:  # causal: key k is seen by query q iff k <= q
-        s = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), s, float("-inf"))
+    if MASK:
+        s = gl.where(_seen(gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), before, WINDOW), s, float("-inf"))
     p = gl.exp2(s)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), op_layout), do_tile, dv, is_async=True)
@@ -488,9 +548,9 @@ def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_p
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
-                   out_row, out_col, stats_row, seqlen, group, n_block, tile_lo, n_tiles, qk_scale, scale,
+                   out_row, out_col, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before, qk_scale, scale,
                    HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """Key rows [HALF * BLOCK_N / 2, ...) of the block: dK and dV over the query tiles of the kv group's q heads."""
     WG_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
@@ -506,17 +566,29 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
         unmasked_lo = gl.minimum(gl.maximum((first_key + WG_N - 1 + BLOCK_M - 1) // BLOCK_M, tile_lo), n_tiles)
     else:
         unmasked_lo = tile_lo
+    if WINDOW:  # query tiles from unmasked_hi on hold a query past some of these keys' windows
+        unmasked_hi = gl.maximum(gl.minimum((first_key + before + 1) // BLOCK_M, n_tiles), unmasked_lo)
+    else:
+        unmasked_hi = n_tiles
     mbarrier.wait(fixed_bar, 0)
     t = 0
     for g in range(group):  # every q head of the kv group adds into the same registers
         for i in range(tile_lo, unmasked_lo):
             dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
-                                delta_ptr, dk, dv, keys, qk_scale, True, WG_N, BLOCK_M, STAGES, s_layout, op_layout)
+                                delta_ptr, dk, dv, keys, qk_scale, before, True, WINDOW, WG_N, BLOCK_M, STAGES,
+                                s_layout, op_layout)
             t += 1
-        for i in range(unmasked_lo, n_tiles):
+        for i in range(unmasked_lo, unmasked_hi):
             dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
-                                delta_ptr, dk, dv, keys, qk_scale, False, WG_N, BLOCK_M, STAGES, s_layout, op_layout)
+                                delta_ptr, dk, dv, keys, qk_scale, before, False, WINDOW, WG_N, BLOCK_M, STAGES,
+                                s_layout, op_layout)
             t += 1
+        if WINDOW:
+            for i in range(unmasked_hi, n_tiles):
+                dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
+                                    delta_ptr, dk, dv, keys, qk_scale, before, True, WINDOW, WG_N, BLOCK_M, STAGES,
+                                    s_layout, op_layout)
+                t += 1
     # this warpgroup's K and V rows, read by its own finished matmuls only, take its dK and dV
     k_wg.store((dk * scale).to(k_wg.dtype))
     v_wg.store(dv.to(v_wg.dtype))
@@ -529,9 +601,9 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
 
 @gluon.jit
 def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, seqlen,
-                             n_kv_heads, group, qk_scale, scale, k_rb, k_rh, k_ch, q_rb, q_rh, q_ch, do_rb, do_rh,
-                             do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             n_kv_heads, group, before, qk_scale, scale, k_rb, k_rh, k_ch, q_rb, q_rh, q_ch, do_rb,
+                             do_rh, do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr):
     """dK and dV of one (batch, kv head, block of BLOCK_N keys): K and V loaded once, a ring of (Q, dO) tiles of the
     kv group's q heads."""
@@ -540,11 +612,13 @@ def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, 
     hk = bhk % n_kv_heads
     h0 = hk * group  # the group's first q head
     n_tiles = seqlen // BLOCK_M
+    start = n_block * BLOCK_N
     if CAUSAL:  # the first query tile that sees a key of the block
-        tile_lo = n_block * BLOCK_N // BLOCK_M
+        tile_lo = start // BLOCK_M
     else:
         tile_lo = 0
-    start = n_block * BLOCK_N
+    if WINDOW:  # one past the last query tile that sees a key of the block
+        n_tiles = gl.minimum((start + BLOCK_N - 1 + before) // BLOCK_M + 1, n_tiles)
     k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty = _pair_buffers(k_desc, v_desc, q_desc, do_desc,
                                                                                BLOCK_N, BLOCK_M, HEAD_DIM, STAGES)
     kv_row = b * k_rb + hk * k_rh + start
@@ -552,11 +626,11 @@ def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, 
     stats_row = (b * group * n_kv_heads + h0) * seqlen
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
-                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, qk_scale,
-                          scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before,
+                          qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
         (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
-                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, qk_scale,
-                          scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before,
+                          qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
         (_pair_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
                           kv_row, hk * k_ch, kv_row, hk * k_ch, b * q_rb + h0 * q_rh, h0 * q_ch, q_rh, q_ch,
                           b * do_rb + h0 * do_rh, h0 * do_ch, do_rh, do_ch, group, tile_lo, n_tiles, BLOCK_M,
@@ -601,14 +675,15 @@ def _grid(heads: int, n_blocks: int, causal: bool) -> tuple[int, int]:
     return (heads, n_blocks) if causal else (n_blocks, heads)
 
 
-def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool) -> bool:
+def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool, before: int) -> bool:
     """Write o ([B, H, S, D] view of a new output) and lse [B, H, S] from the [B, H, S, D] views of q, k, v, and
     return True, for a call this forward covers beyond what attention's launcher checked (device, dtype, mask,
     varlen, size, tracing): the head dim and mask, whole tiles, as many queries as keys, the views' strides, k and v
-    laid out alike (one set of coordinates). Else False, nothing written."""
+    laid out alike (one set of coordinates). Else False, nothing written. ``before`` >= 0 (causal only): a query
+    sees its own key and the ``before`` keys before it (attention's sliding window)."""
     q, k, v = views
     B, H, S, D = q.shape
-    if (D, causal) not in GLUON_FWD or S % BLOCK or k.shape[2] != S:
+    if (D, causal) not in GLUON_FWD or S % BLOCK or k.shape[2] != S or before >= 0 and not causal:
         return False
     at = [rows_2d(t) for t in (q, k, v, o)]
     if None in at or at[1][1:] != at[2][1:]:
@@ -617,41 +692,45 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
     descriptors = [_descriptor(t, BLOCK, D) for t in (q2, k2, v2)] + [_descriptor(o2, BLOCK // 2, D)]
     n_items = B * H * (S // BLOCK)
     mean_tiles = (S // BLOCK + 1) / 2 if causal else S // BLOCK
+    if before >= 0:  # a window's tiles, one more where it starts inside a tile
+        mean_tiles = min(mean_tiles, before // BLOCK + 2)
     stages, q_buffers = FWD_BUFFERS[D]
     persistent = q_buffers == 2 or mean_tiles <= PERSISTENT_TILES
     programs = min(n_items, num_programs_for(q.device)) if persistent else n_items
-    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, H // k.shape[1], scale * LOG2E.value,
-           n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=stages, Q_BUFFERS=q_buffers, CAUSAL=causal,
-           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, H // k.shape[1], before,
+           scale * LOG2E.value, n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=stages,
+           Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return True
 
 
 def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta: Tensor, scale: float,
-             causal: bool) -> bool:
+             causal: bool, before: int) -> bool:
     """Write dq, dk, dv and delta ([B, H, S] fp32) from the [B, H, S, D] views (q, k, v, o, do, dq, dk, dv), lse
     and dlse ([B, H, S] fp32, contiguous; dlse may be None), and return True, for a call the backward covers (as
-    ``forward``, with GLUON_BWD's head dims and masks, k and v alike, dk and dv alike). Else False, nothing written.
+    ``forward``, with GLUON_BWD's head dims and masks, k and v alike, dk and dv alike; ``before`` as there). Else
+    False, nothing written.
     Two kernels: dQ, which also stores delta = rowsum(dO * O) - dLSE, then dK/dV, which reads it."""
     q, k, v, o, do, dq, dk, dv = views
     B, H, S, D = q.shape
-    if (D, causal) not in GLUON_BWD or S % BLOCK or k.shape[2] != S or not lse.is_contiguous():
+    if (D, causal) not in GLUON_BWD or S % BLOCK or k.shape[2] != S or not lse.is_contiguous() or before >= 0 \
+            and not causal:
         return False
     at = [rows_2d(t) for t in (q, k, v, do, dq, dk, dv)]
     if None in at or at[1][1:] != at[2][1:] or at[5][1:] != at[6][1:] or o.stride(-1) != 1:
         return False
     (q2, *q_at), (k2, *k_at), (v2, _, _, _), (do2, *do_at), (dq2, *dq_at), (dk2, *dk_at), (dv2, _, _, _) = at
     kv_heads = k.shape[1]
-    meta = dict(HEAD_DIM=D, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    meta = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=before >= 0, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     block_m, block_n, stages = DQ_SETTING
     launch(_attn_dq_hopper_kernel, _grid(B * H, S // block_m, causal), _descriptor(q2, block_m, D),
            _descriptor(do2, block_m, D), _descriptor(k2, block_n, D), _descriptor(v2, block_n, D),
            _descriptor(dq2, block_m // 2, D), o, lse, lse if dlse is None else dlse, delta, S, H, H // kv_heads,
-           scale * LOG2E.value, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
+           before, scale * LOG2E.value, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
            BLOCK_N=block_n, STAGES=stages, HAS_DLSE=dlse is not None, **meta)
     block_m, block_n, stages = DKDV_SETTING
     launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads, S // block_n, causal), _descriptor(k2, block_n, D),
            _descriptor(v2, block_n, D), _descriptor(q2, block_m, D), _descriptor(do2, block_m, D),
            _descriptor(dk2, block_n // 2, D), _descriptor(dv2, block_n // 2, D), lse, delta, S, kv_heads, H // kv_heads,
-           scale * LOG2E.value, scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n,
+           before, scale * LOG2E.value, scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n,
            STAGES=stages, **meta)
     return True
