@@ -108,8 +108,8 @@ def cases():
         attention._attention_bwd_launch(q, q, k, k, o, lse, None, None, d ** -0.5, -1, 0 if causal else -1, None,
                                         "bhsd")
     hopper = ops("attention_hopper")  # the Gluon forward and backward, bhsd and bshd memory, causal windows
-    for d, causal, before, layout in ((64, False, -1, "bhsd"), (64, True, -1, "bhsd"), (64, True, 300, "bhsd"),
-                                      (128, True, -1, "bhsd"), (128, False, -1, "bshd"), (128, True, 300, "bhsd")):
+    for d, causal, before, layout in ((64, False, -1, "bhsd"), (64, True, -1, "bhsd"), (64, True, 400, "bhsd"),
+                                      (128, True, -1, "bhsd"), (128, False, -1, "bshd"), (128, True, 400, "bhsd")):
         q, k = empty(1, 32, 2048, d), empty(1, 8, 2048, d)
         if layout == "bshd":
             q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))

@@ -287,8 +287,8 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
 
 def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     """Which calls take the Gluon forward (attention_hopper; its launch recorded here, as on a Hopper GPU): head dim 128
-    or 64, full, causal or a causal window, whole 128-row tiles, bhsd or bshd memory, k and v alike; not a window
-    reaching keys after the query, a softcap,
+    or 64, full, causal or a causal window (at head dim 64 of at least GLUON_MIN_WINDOW keys), whole 128-row tiles,
+    bhsd or bshd memory, k and v alike; not a window reaching keys after the query, a softcap,
     varlen, fp32, a padded or other head dim, a part tile, more keys than queries, an expanded or
     odd-strided k, unlike k and v, or a call under TMA_MIN_FLOPS. The others launch the portable kernel."""
     attention_module = sys.modules["onepass.ops.attention"]
@@ -321,8 +321,9 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
         assert route(q, k, **call) == "hopper", call
     for call in (dict(window=64), dict(window=(3, 2)), dict(softcap=30.0)):
         assert route(q, k, **call) == "portable", call
-    assert route(q[..., :64], k[..., :64], causal=True) == route(q[..., :64], k[..., :64], causal=True,
-                                                                 window=100) == "hopper"
+    q64, k64 = q[..., :64], k[..., :64]
+    assert route(q64, k64, causal=True) == route(q64, k64, causal=True, window=hopper.GLUON_MIN_WINDOW[64]) == "hopper"
+    assert route(q64, k64, causal=True, window=hopper.GLUON_MIN_WINDOW[64] - 1) == "portable"
     assert route(t(1, 4, 256, 80), t(1, 2, 256, 80)) == "portable"
     assert route(t(1, 4, 256, 128, dtype=torch.float32), t(1, 2, 256, 128, dtype=torch.float32)) == "portable"
     assert route(q[:, :, :200], k[:, :, :200]) == "portable"  # a part tile
@@ -428,7 +429,7 @@ def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
                                                             (128, dict(causal=True, window=300), 16),
                                                             (128, dict(causal=True, window=1024), 0),
                                                             (128, dict(causal=True, window=1), 16),
-                                                            (64, dict(causal=True, window=100), 16)])
+                                                            (64, dict(causal=True, window=400), 16)])
 def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
     """The Gluon forward and (GLUON_BWD) backward, which on a Hopper GPU must take these calls, against the float64
     reference with a gradient into the LSE, grouped-query heads, 12 query blocks (192 work items: persistent programs

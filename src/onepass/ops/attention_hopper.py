@@ -51,6 +51,10 @@ from onepass.ops.dispatch import launch, num_programs_for
 # (head dim, causal) pairs this forward runs: where it beat the portable kernel or tied (attention_gluon_fwd.log; at
 # head dim 64 under a causal mask only since its programs are persistent, run 5).
 GLUON_FWD = {(64, False), (64, True), (128, False), (128, True)}
+# Causal windows (a query and the keys before it) of fewer keys than this run the portable forward: at head dim 64 its
+# smaller key tiles waste less of a narrow window's two masked edges (0.84-0.87x at 128 and 256 keys, level at 384,
+# 1.05-1.07x from 512; at head dim 128 the Gluon forward led from 128 keys: results/h200/attention_gluon_window.log).
+GLUON_MIN_WINDOW = {64: 384}
 BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 # The forward's (K/V stages, Q buffers) by head dim: at 128, 3 stages of [128, 128] 16-bit K and V tiles and one Q
 # tile fill 224 KiB of shared memory; at 64 a second Q buffer fits, and an item's Q loads while the last one's O is
@@ -683,7 +687,8 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
     sees its own key and the ``before`` keys before it (attention's sliding window)."""
     q, k, v = views
     B, H, S, D = q.shape
-    if (D, causal) not in GLUON_FWD or S % BLOCK or k.shape[2] != S or before >= 0 and not causal:
+    if (D, causal) not in GLUON_FWD or S % BLOCK or k.shape[2] != S or before >= 0 and (
+            not causal or before + 1 < GLUON_MIN_WINDOW.get(D, 0)):
         return False
     at = [rows_2d(t) for t in (q, k, v, o)]
     if None in at or at[1][1:] != at[2][1:]:
