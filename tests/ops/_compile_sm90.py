@@ -108,16 +108,18 @@ def cases():
         attention._attention_bwd_launch(q, q, k, k, o, lse, None, None, d ** -0.5, -1, 0 if causal else -1, None,
                                         "bhsd")
     hopper = ops("attention_hopper")  # the Gluon forward and backward, bhsd and bshd memory, causal windows
-    for d, causal, before, layout in ((64, False, -1, "bhsd"), (64, True, -1, "bhsd"), (64, True, 400, "bhsd"),
-                                      (128, True, -1, "bhsd"), (128, False, -1, "bshd"), (128, True, 400, "bhsd")):
+    for d, causal, before, softcap, layout in ((64, False, -1, 0.0, "bhsd"), (64, True, -1, 0.0, "bhsd"),
+                                               (64, True, 400, 0.0, "bhsd"), (128, True, -1, 0.0, "bhsd"),
+                                               (128, False, -1, 0.0, "bshd"), (128, True, 400, 0.0, "bhsd"),
+                                               (128, True, 4095, 50.0, "bhsd"), (128, False, -1, 30.0, "bhsd")):
         q, k = empty(1, 32, 2048, d), empty(1, 8, 2048, d)
         if layout == "bshd":
             q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
         lse = torch.empty(1, 32, 2048)
-        assert hopper.forward((q, k, k), torch.empty_like(q), lse, d ** -0.5, causal, before)
+        assert hopper.forward((q, k, k), torch.empty_like(q), lse, d ** -0.5, causal, before, softcap)
         if (d, causal) in hopper.GLUON_BWD:
-            assert hopper.backward((q, k, k, q, q, q, k, k), lse, lse, lse, d ** -0.5, causal, before)
-    assert hopper.backward((q, k, k, q, q, q, k, k), lse, None, lse, 0.088, True, -1)  # causal, no dLSE
+            assert hopper.backward((q, k, k, q, q, q, k, k), lse, lse, lse, d ** -0.5, causal, before, softcap)
+    assert hopper.backward((q, k, k, q, q, q, k, k), lse, None, lse, 0.088, True, -1, 0.0)  # causal, no dLSE
     q, k, cu = empty(4096, 32, 128), empty(4096, 8, 128), torch.tensor([0, 1000, 4096], dtype=torch.int32)
     o, lse = attention._attention_fwd_launch(q, k, k, cu, 0.088, -1, 0, None, "bshd")  # varlen, causal
     attention._attention_bwd_launch(q, q, k, k, o, lse, None, cu, 0.088, -1, 0, None, "bshd")

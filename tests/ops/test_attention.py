@@ -288,7 +288,7 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
 def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     """Which calls take the Gluon forward (attention_hopper; its launch recorded here, as on a Hopper GPU): head dim 128
     or 64, full, causal or a causal window (at head dim 64 of at least GLUON_MIN_WINDOW keys), whole 128-row tiles,
-    bhsd or bshd memory, k and v alike; not a window reaching keys after the query, a softcap,
+    bhsd or bshd memory, k and v alike, softcap or not; not a window reaching keys after the query,
     varlen, fp32, a padded or other head dim, a part tile, more keys than queries, an expanded or
     odd-strided k, unlike k and v, or a call under TMA_MIN_FLOPS. The others launch the portable kernel."""
     attention_module = sys.modules["onepass.ops.attention"]
@@ -317,9 +317,10 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     assert route(*(qkv[..., a:b].view(2, 256, -1, 128) for a, b in ((0, 512), (512, 768), (768, 1024))),
                  layout="bshd") == "hopper"
     assert route(q, t(1, 2, 256, 144)[..., :128]) == "hopper"  # rows 288 bytes apart
-    for call in (dict(causal=True, window=64), dict(window=(3, 0)), dict(causal=True, scale=0.5)):
+    for call in (dict(causal=True, window=64), dict(window=(3, 0)), dict(causal=True, scale=0.5), dict(softcap=30.0),
+                 dict(causal=True, window=64, softcap=30.0)):
         assert route(q, k, **call) == "hopper", call
-    for call in (dict(window=64), dict(window=(3, 2)), dict(softcap=30.0)):
+    for call in (dict(window=64), dict(window=(3, 2))):
         assert route(q, k, **call) == "portable", call
     q64, k64 = q[..., :64], k[..., :64]
     assert route(q64, k64, causal=True) == route(q64, k64, causal=True, window=hopper.GLUON_MIN_WINDOW[64]) == "hopper"
@@ -364,8 +365,8 @@ def test_hopper_forward_programs(device, monkeypatch):
 
 def test_hopper_backward_only_where_it_covers(device, monkeypatch):
     """Which backward calls take the Gluon kernels (their launches recorded, as on a Hopper GPU): head dim 128 full or
-    causal, a causal window, grouped-query heads, bhsd or bshd memory, fused q/k/v slices, a gradient into the LSE;
-    not head dim 64, a window reaching keys after the query, a softcap, a part tile, or a dO whose rows TMA cannot
+    causal, a causal window, a softcap, grouped-query heads, bhsd or bshd memory, fused q/k/v slices, a gradient into
+    the LSE; not head dim 64, a window reaching keys after the query, a part tile, or a dO whose rows TMA cannot
     address. The others launch the portable ones."""
     attention_module = sys.modules["onepass.ops.attention"]
     hopper = pytest.importorskip("onepass.ops.attention_hopper")
@@ -394,9 +395,8 @@ def test_hopper_backward_only_where_it_covers(device, monkeypatch):
     assert route(*(qkv[..., a:b].view(2, 256, -1, 128) for a, b in ((0, 512), (512, 768), (768, 1024))),
                  layout="bshd") == {"hopper"}
     assert route(q, k, do=t(1, 256, 4, 128).transpose(1, 2)) == {"hopper"}  # dO in another memory order
-    assert route(q, k, causal=True, window=64) == {"hopper"}
-    for call in (dict(window=64), dict(softcap=30.0)):
-        assert route(q, k, **call) == {"portable"}, call
+    assert route(q, k, causal=True, window=64) == route(q, k, causal=True, window=64, softcap=30.0) == {"hopper"}
+    assert route(q, k, window=64) == {"portable"}
     assert route(q[..., :64], k[..., :64]) == route(q[..., :64], k[..., :64], causal=True, window=9) == {"portable"}
     assert route(q[:, :, :200], k[:, :, :200]) == {"portable"}  # a part tile
     assert route(q, k, do=t(1, 4, 256, 132)[..., :128]) == {"portable"}  # dO rows 264 bytes apart
@@ -429,13 +429,16 @@ def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
                                                             (128, dict(causal=True, window=300), 16),
                                                             (128, dict(causal=True, window=1024), 0),
                                                             (128, dict(causal=True, window=1), 16),
-                                                            (64, dict(causal=True, window=400), 16)])
+                                                            (64, dict(causal=True, window=400), 16),
+                                                            (128, dict(softcap=2.0), 16),
+                                                            (128, dict(causal=True, window=300, softcap=5.0), 16)])
 def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
     """The Gluon forward and (GLUON_BWD) backward, which on a Hopper GPU must take these calls, against the float64
     reference with a gradient into the LSE, grouped-query heads, 12 query blocks (192 work items: persistent programs
     take one or two; PERSISTENT_TILES 0 at head dim 128, one a program), causal windows that start inside a tile, on
     a tile's edge, within a warpgroup's rows (the rows after the first see none of the item's first tile) and of one
-    key; and at another scale against the portable kernels."""
+    key, softcaps small enough to bend the scores (tanh saturates); and at another scale against the portable
+    kernels."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on compute capability 9 only")
     import onepass.ops.attention_hopper as attention_hopper

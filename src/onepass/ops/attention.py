@@ -56,10 +56,10 @@ mask registers) at the head dims where that was faster (FWD_TMA_ROWS, DQ_TMA_ROW
 enough to pay for the descriptors' host time (TMA_MIN_FLOPS), else as pointer tiles, as always for
 fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
 
-Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 64 or 128 (full, causal, or a causal window)
-over whole 128-row tiles run the Gluon forward of ``attention_hopper`` instead (FlashAttention-3's structure: a
-producer warp, two consumer warpgroups, each tile's q k^T issued before the previous tile's P V), which writes the
-same O and LSE; at head dim 128 its backward too: dQ (and delta), then dK/dV, in the same structure.
+Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 64 or 128 (full, causal, or a causal window;
+softcap or not) over whole 128-row tiles run the Gluon forward of ``attention_hopper`` instead (FlashAttention-3's
+structure: a producer warp, two consumer warpgroups, each tile's q k^T issued before the previous tile's P V), which
+writes the same O and LSE; at head dim 128 its backward too: dQ (and delta), then dK/dV, in the same structure.
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
@@ -625,11 +625,11 @@ def _on_hopper(t: Tensor) -> bool:
             and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
-def _hopper(g, q, before, after, softcap):
+def _hopper(g, q, before, after):
     """``attention_hopper`` where a call may take its Gluon kernels (which then check the rest: their docstrings),
     else None. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a Triton without this form of
     it still imports onepass."""
-    if not ((after == 0 or before < 0 and after < 0) and not softcap and _descriptor_call(g, q, before, after)
+    if not ((after == 0 or before < 0 and after < 0) and _descriptor_call(g, q, before, after)
             and _on_hopper(q)):  # full, causal, or a causal window
         return None
     from onepass.ops import attention_hopper
@@ -639,17 +639,17 @@ def _hopper(g, q, before, after, softcap):
 
 def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
     """Run the Gluon forward where it covers the call, writing o and lse; False where the portable kernel runs."""
-    hopper = _hopper(g, q, before, after, softcap)
+    hopper = _hopper(g, q, before, after)
     return hopper is not None and hopper.forward((g.view(q), g.view(k), g.view(v)), g.view(o), lse, scale, after == 0,
-                                                 before)
+                                                 before, softcap or 0.0)
 
 
 def _hopper_backward(g, tensors, lse, dlse, delta, scale, before, after, softcap) -> bool:
     """Run the Gluon backward where it covers the call (tensors: q, k, v, o, do, dq, dk, dv), writing dq, dk, dv;
     False where the portable kernels run."""
-    hopper = _hopper(g, tensors[0], before, after, softcap)
+    hopper = _hopper(g, tensors[0], before, after)
     return hopper is not None and hopper.backward(tuple(g.view(t) for t in tensors), lse, dlse, delta, scale,
-                                                  after == 0, before)
+                                                  after == 0, before, softcap or 0.0)
 
 
 def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):

@@ -21,9 +21,9 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
 The output and the natural-log LSE are the portable kernel's: either backward follows either forward. Calls covered
 (attention's launcher, then ``forward``/``backward``): a CUDA device of compute capability 9 with a Triton of
 attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), the causal mask with or without
-a window (a query sees its own key and the ``before`` keys before it: Mistral's, Gemma's), no softcap or varlen,
-as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host tensor
-descriptors), at least attention.TMA_MIN_FLOPS, and tensors whose [S, D] rows lie as TMA can address them
+a window (a query sees its own key and the ``before`` keys before it: Mistral's, Gemma's), with or without a
+softcap, no varlen, as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host
+tensor descriptors), at least attention.TMA_MIN_FLOPS, and tensors whose [S, D] rows lie as TMA can address them
 (``rows_2d``).
 Gluon kernels do not run in Triton's interpreter: CI compiles them for sm_90 (tests/ops/_compile_sm90.py),
 and tests/ops/test_attention.py checks them against the float64 reference and the portable kernel on a GPU.
@@ -185,10 +185,22 @@ def _window_full(last_query, before, n_tiles, BLOCK_N: gl.constexpr, WINDOW: gl.
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, rows, tile_start, before, MASK: gl.constexpr, WINDOW: gl.constexpr,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _scores(s, qk_scale, cap, SOFTCAP: gl.constexpr):
+    """Raw q k^T products as scores in log2 units, and what the backward's softcap term needs: s * qk_scale; with
+    SOFTCAP cap * tanh(s * qk_scale) and the tanh (the host passes qk_scale = scale / softcap, cap = softcap * log2 e;
+    tanh through exp2, as the portable kernels')."""
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2 * LOG2E)) + 1.0)
+        return t * cap, t
+    else:
+        return s * qk_scale, s
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, cap, rows, tile_start, before, MASK: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One tile's online-softmax step in base 2: (p, new row max, new row sum, rescale of the old sums)."""
-    s = s * qk_scale
+    s, _ = _scores(s, qk_scale, cap, SOFTCAP)
     if MASK:
         cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(_seen(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), before, WINDOW), s, float("-inf"))
@@ -203,9 +215,9 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, tile_start, before, MASK: gl.cons
 
 
 @gluon.jit
-def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op, m_i, l_i, rows, qk_scale,
-          before, MASK: gl.constexpr, WINDOW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p_op, m_i, l_i, rows, qk_scale, cap,
+          before, MASK: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Tile j's (the ring's tile r) q k^T, issued before tile j-1's P V; tile j's softmax while P V runs; then tile
     j-1's stage released."""
     stage = r % STAGES
@@ -215,8 +227,8 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
     mbarrier.wait(v_ready.index(prev), ((r - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, before, MASK, WINDOW, BLOCK_N,
-                                       s_layout)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, cap, rows, j * BLOCK_N, before, MASK, WINDOW, SOFTCAP,
+                                       BLOCK_N, s_layout)
     o = warpgroup_mma_wait(0, deps=(o_tok, ))
     _barrier()  # the warpgroup's 4 warps are done with tile j-1's K and V: one arrival for all
     mbarrier.arrive(kv_empty.index(prev))
@@ -226,9 +238,9 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh,
-              n_heads, seqlen, before, qk_scale, o_rb, o_rh, o_ch, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+              n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Query rows [HALF * BLOCK_M / 2, ...) of each of this program's items: the online softmax over the item's key
     tiles, then O and LSE."""
     WG_M: gl.constexpr = BLOCK_M // 2
@@ -267,27 +279,27 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
         s = warpgroup_mma(my_q, k_smem.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         if CAUSAL and ((lo < lower_full) | (lo >= n_full)):
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, lo * BLOCK_N, before, True, WINDOW,
-                                               BLOCK_N, s_layout)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, cap, rows, lo * BLOCK_N, before, True, WINDOW,
+                                               SOFTCAP, BLOCK_N, s_layout)
         else:
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, lo * BLOCK_N, before, False, WINDOW,
-                                               BLOCK_N, s_layout)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, cap, rows, lo * BLOCK_N, before, False, WINDOW,
+                                               SOFTCAP, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         # (separate loops: the mask's registers stay out of the unmasked one; ring position t + j - lo)
         if WINDOW:
             for j in range(lo + 1, lower_full):
                 o, p_op, m_i, l_i = _step(t + j - lo, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
-                                          p_op, m_i, l_i, rows, qk_scale, before, True, WINDOW, BLOCK_N, STAGES,
-                                          s_layout, o_layout, p_layout)
+                                          p_op, m_i, l_i, rows, qk_scale, cap, before, True, WINDOW, SOFTCAP, BLOCK_N,
+                                          STAGES, s_layout, o_layout, p_layout)
         for j in range(gl.maximum(lo + 1, lower_full), n_full):
             o, p_op, m_i, l_i = _step(t + j - lo, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
-                                      p_op, m_i, l_i, rows, qk_scale, before, False, WINDOW, BLOCK_N, STAGES,
-                                      s_layout, o_layout, p_layout)
+                                      p_op, m_i, l_i, rows, qk_scale, cap, before, False, WINDOW, SOFTCAP, BLOCK_N,
+                                      STAGES, s_layout, o_layout, p_layout)
         if CAUSAL:
             for j in range(gl.maximum(gl.maximum(n_full, lower_full), lo + 1), n_tiles):
                 o, p_op, m_i, l_i = _step(t + j - lo, j, my_q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o,
-                                          p_op, m_i, l_i, rows, qk_scale, before, True, WINDOW, BLOCK_N, STAGES,
-                                          s_layout, o_layout, p_layout)
+                                          p_op, m_i, l_i, rows, qk_scale, cap, before, True, WINDOW, SOFTCAP, BLOCK_N,
+                                          STAGES, s_layout, o_layout, p_layout)
         n_seen = n_tiles - lo
         last = (t + n_seen - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((t + n_seen - 1) // STAGES) & 1)
@@ -311,10 +323,10 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, before, qk_scale,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, before, qk_scale, cap,
                             n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch, HEAD_DIM: gl.constexpr,
                             BLOCK: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                            WINDOW: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                            WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Each program takes work items (batch, head, block of BLOCK queries) pid, pid + programs, ... (one a program, or
     persistent: PERSISTENT_TILES).
     A tile of (b, h, rows s...) sits at row b * rb + h * rh + s, column h * ch of its tensor's 2-D view (rows_2d)."""
@@ -337,11 +349,11 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_h
         mbarrier.init(kv_empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, n_heads, seqlen, before, qk_scale, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK, BLOCK, STAGES,
-                     Q_BUFFERS, CAUSAL, WINDOW)),
+                     n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK, BLOCK, STAGES,
+                     Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, n_heads, seqlen, before, qk_scale, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK, BLOCK, STAGES,
-                     Q_BUFFERS, CAUSAL, WINDOW)),
+                     n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK, BLOCK, STAGES,
+                     Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                      n_items, n_bh, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK,
                      STAGES, Q_BUFFERS, CAUSAL, WINDOW)),
@@ -406,8 +418,8 @@ def _pair_producer(a_desc, b_desc, c_desc, d_desc, a_smem, b_smem, c_smem, d_sme
 
 
 @gluon.jit
-def _dq_tile(r, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, before,
-             MASK: gl.constexpr, WINDOW: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dq_tile(r, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, cap, before,
+             MASK: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """Key tile j's (the ring's tile r) share of the warpgroup's dQ: s = q k^T and dp = dO v^T issued together, p
     while dp runs."""
@@ -418,13 +430,16 @@ def _dq_tile(r, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, del
     s_tok = warpgroup_mma(q_wg, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_wg, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    s = s * qk_scale - gl.expand_dims(lse, 1)
+    s, tanh_s = _scores(s, qk_scale, cap, SOFTCAP)
+    s = s - gl.expand_dims(lse, 1)
     if MASK:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(_seen(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), before, WINDOW), s, float("-inf"))
     p = gl.exp2(s)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
     ds = p * (dp - gl.expand_dims(delta, 1))
+    if SOFTCAP:
+        ds *= 1.0 - tanh_s * tanh_s  # d(softcap tanh(scale x / softcap)) / dx, over the scale applied at the end
     dq_tok = warpgroup_mma(gl.convert_layout(ds.to(k_tile.dtype), op_layout), k_tile, dq, is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
     _barrier()  # the warpgroup's 4 warps are done with the stage's K and V: one arrival for all
@@ -434,9 +449,10 @@ def _dq_tile(r, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, del
 
 @gluon.jit
 def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar, ready,
-                 empty, dq_row, dq_col, o_base, o_ss, stats_row, m_block, lo, n_tiles, before, qk_scale, scale,
+                 empty, dq_row, dq_col, o_base, o_ss, stats_row, m_block, lo, n_tiles, before, qk_scale, cap, scale,
                  HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, HAS_DLSE: gl.constexpr):
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+                 HAS_DLSE: gl.constexpr):
     """Query rows [HALF * BLOCK_M / 2, ...) of the block: their delta = rowsum(dO * O) - dLSE (stored for the dK/dV
     kernel), then dQ over their key tiles."""
     WG_M: gl.constexpr = BLOCK_M // 2
@@ -468,15 +484,15 @@ def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, 
     # (separate loops: the mask's registers stay out of the unmasked one; ring position j - lo)
     if WINDOW:
         for j in range(lo, lower_full):
-            dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale,
-                          before, True, WINDOW, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
+            dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, cap,
+                          before, True, WINDOW, SOFTCAP, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
     for j in range(gl.maximum(lo, lower_full), n_full):
-        dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, before,
-                      False, WINDOW, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
+        dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, cap, before,
+                      False, WINDOW, SOFTCAP, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
     if CAUSAL:
         for j in range(gl.maximum(gl.maximum(n_full, lower_full), lo), n_tiles):
-            dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale,
-                          before, True, WINDOW, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
+            dq = _dq_tile(j - lo, j, q_wg, do_wg, k_smem, v_smem, ready, empty, dq, rows, lse, delta, qk_scale, cap,
+                          before, True, WINDOW, SOFTCAP, WG_M, BLOCK_N, STAGES, s_layout, op_layout)
     q_wg.store((dq * scale).to(q_wg.dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
     fence_async_shared()
     _barrier()
@@ -486,10 +502,11 @@ def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, 
 
 @gluon.jit
 def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, seqlen,
-                           n_heads, group, before, qk_scale, scale, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh,
+                           n_heads, group, before, qk_scale, cap, scale, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb,
+                           k_rh,
                            k_ch, dq_rb, dq_rh, dq_ch, o_sb, o_sh, o_ss, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                           HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dQ (and delta) of one (batch, head, block of BLOCK_M queries): Q and dO loaded once, a ring of K/V tiles."""
     bh, m_block = _program_block(seqlen // BLOCK_M, CAUSAL, False)
     b = bh // n_heads
@@ -509,10 +526,12 @@ def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar,
                         ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, lo, n_tiles, before,
-                        qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, HAS_DLSE)),
+                        qk_scale, cap, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, SOFTCAP,
+                        HAS_DLSE)),
         (_dq_consumer, (dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, fixed_bar,
                         ready, empty, dq_row, h * dq_ch, o_base, o_ss, bh * seqlen, m_block, lo, n_tiles, before,
-                        qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, HAS_DLSE)),
+                        qk_scale, cap, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, SOFTCAP,
+                        HAS_DLSE)),
         (_pair_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, fixed_bar, ready, empty,
                           b * q_rb + h * q_rh + start, h * q_ch, b * do_rb + h * do_rh + start, h * do_ch,
                           kv_row, hk * k_ch, 0, 0, kv_row, hk * k_ch, 0, 0, 1, lo, n_tiles, BLOCK_N, STAGES)),
@@ -521,8 +540,8 @@ def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_
 
 @gluon.jit
 def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, dk, dv, keys, qk_scale,
-               before, MASK: gl.constexpr, WINDOW: gl.constexpr, WG_N: gl.constexpr, BLOCK_M: gl.constexpr,
-               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+               cap, before, MASK: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, WG_N: gl.constexpr,
+               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """Query tile i's share of the warpgroup's dK and dV, keys as rows: sT = k q^T and dpT = v dO^T issued together,
     pT while dpT runs, then dV += pT dO and dK += dsT q together."""
     stage = t % STAGES
@@ -536,13 +555,16 @@ def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_p
     lse = gl.load(lse_ptr + stats_row + queries) * LOG2E
     delta = gl.load(delta_ptr + stats_row + queries)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    s = s * qk_scale - gl.expand_dims(lse, 0)
+    s, tanh_s = _scores(s, qk_scale, cap, SOFTCAP)
+    s = s - gl.expand_dims(lse, 0)
     if MASK:
         s = gl.where(_seen(gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), before, WINDOW), s, float("-inf"))
     p = gl.exp2(s)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(q_tile.dtype), op_layout), do_tile, dv, is_async=True)
     ds = p * (dp - gl.expand_dims(delta, 0))
+    if SOFTCAP:
+        ds *= 1.0 - tanh_s * tanh_s  # d(softcap tanh(scale x / softcap)) / dx, over the scale applied at the end
     dk_tok = warpgroup_mma(gl.convert_layout(ds.to(q_tile.dtype), op_layout), q_tile, dk, is_async=True)
     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
     _barrier()  # the warpgroup's 4 warps are done with the stage's Q and dO: one arrival for all
@@ -552,9 +574,9 @@ def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_p
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
-                   out_row, out_col, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before, qk_scale, scale,
+                   out_row, out_col, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before, qk_scale, cap, scale,
                    HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Key rows [HALF * BLOCK_N / 2, ...) of the block: dK and dV over the query tiles of the kv group's q heads."""
     WG_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
@@ -579,19 +601,19 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
     for g in range(group):  # every q head of the kv group adds into the same registers
         for i in range(tile_lo, unmasked_lo):
             dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
-                                delta_ptr, dk, dv, keys, qk_scale, before, True, WINDOW, WG_N, BLOCK_M, STAGES,
-                                s_layout, op_layout)
+                                delta_ptr, dk, dv, keys, qk_scale, cap, before, True, WINDOW, SOFTCAP, WG_N, BLOCK_M,
+                                STAGES, s_layout, op_layout)
             t += 1
         for i in range(unmasked_lo, unmasked_hi):
             dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
-                                delta_ptr, dk, dv, keys, qk_scale, before, False, WINDOW, WG_N, BLOCK_M, STAGES,
-                                s_layout, op_layout)
+                                delta_ptr, dk, dv, keys, qk_scale, cap, before, False, WINDOW, SOFTCAP, WG_N, BLOCK_M,
+                                STAGES, s_layout, op_layout)
             t += 1
         if WINDOW:
             for i in range(unmasked_hi, n_tiles):
                 dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
-                                    delta_ptr, dk, dv, keys, qk_scale, before, True, WINDOW, WG_N, BLOCK_M, STAGES,
-                                    s_layout, op_layout)
+                                    delta_ptr, dk, dv, keys, qk_scale, cap, before, True, WINDOW, SOFTCAP, WG_N,
+                                    BLOCK_M, STAGES, s_layout, op_layout)
                 t += 1
     # this warpgroup's K and V rows, read by its own finished matmuls only, take its dK and dV
     k_wg.store((dk * scale).to(k_wg.dtype))
@@ -605,10 +627,10 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
 
 @gluon.jit
 def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, seqlen,
-                             n_kv_heads, group, before, qk_scale, scale, k_rb, k_rh, k_ch, q_rb, q_rh, q_ch, do_rb,
+                             n_kv_heads, group, before, qk_scale, cap, scale, k_rb, k_rh, k_ch, q_rb, q_rh, q_ch, do_rb,
                              do_rh, do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr):
+                             SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dK and dV of one (batch, kv head, block of BLOCK_N keys): K and V loaded once, a ring of (Q, dO) tiles of the
     kv group's q heads."""
     bhk, n_block = _program_block(seqlen // BLOCK_N, CAUSAL, True)
@@ -631,10 +653,10 @@ def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
                           empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before,
-                          qk_scale, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
+                          qk_scale, cap, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, SOFTCAP)),
         (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
                           empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before,
-                          qk_scale, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
+                          qk_scale, cap, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, SOFTCAP)),
         (_pair_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
                           kv_row, hk * k_ch, kv_row, hk * k_ch, b * q_rb + h0 * q_rh, h0 * q_ch, q_rh, q_ch,
                           b * do_rb + h0 * do_rh, h0 * do_ch, do_rh, do_ch, group, tile_lo, n_tiles, BLOCK_M,
@@ -674,17 +696,24 @@ def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMAShared
                                                 else gl.float16)
 
 
+def _score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The kernels' (qk_scale, cap) for _scores."""
+    return (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 1.0)
+
+
 def _grid(heads: int, n_blocks: int, causal: bool) -> tuple[int, int]:
     """The grid _program_block reads: heads first under a causal mask (each block's weight known: heaviest first)."""
     return (heads, n_blocks) if causal else (n_blocks, heads)
 
 
-def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool, before: int) -> bool:
+def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool, before: int,
+            softcap: float) -> bool:
     """Write o ([B, H, S, D] view of a new output) and lse [B, H, S] from the [B, H, S, D] views of q, k, v, and
     return True, for a call this forward covers beyond what attention's launcher checked (device, dtype, mask,
     varlen, size, tracing): the head dim and mask, whole tiles, as many queries as keys, the views' strides, k and v
     laid out alike (one set of coordinates). Else False, nothing written. ``before`` >= 0 (causal only): a query
-    sees its own key and the ``before`` keys before it (attention's sliding window)."""
+    sees its own key and the ``before`` keys before it (attention's sliding window); ``softcap`` (0: none): scores
+    softcap * tanh(scale q k / softcap)."""
     q, k, v = views
     B, H, S, D = q.shape
     if (D, causal) not in GLUON_FWD or S % BLOCK or k.shape[2] != S or before >= 0 and (
@@ -703,17 +732,18 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
     persistent = q_buffers == 2 or mean_tiles <= PERSISTENT_TILES
     programs = min(n_items, num_programs_for(q.device)) if persistent else n_items
     launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, H // k.shape[1], before,
-           scale * LOG2E.value, n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=stages,
-           Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+           *_score_scales(scale, softcap), n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=stages,
+           Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap), CONSUMER_REGS=CONSUMER_REGS,
+           num_warps=4)
     return True
 
 
 def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta: Tensor, scale: float,
-             causal: bool, before: int) -> bool:
+             causal: bool, before: int, softcap: float) -> bool:
     """Write dq, dk, dv and delta ([B, H, S] fp32) from the [B, H, S, D] views (q, k, v, o, do, dq, dk, dv), lse
     and dlse ([B, H, S] fp32, contiguous; dlse may be None), and return True, for a call the backward covers (as
-    ``forward``, with GLUON_BWD's head dims and masks, k and v alike, dk and dv alike; ``before`` as there). Else
-    False, nothing written.
+    ``forward``, with GLUON_BWD's head dims and masks, k and v alike, dk and dv alike; ``before``, ``softcap`` as
+    there). Else False, nothing written.
     Two kernels: dQ, which also stores delta = rowsum(dO * O) - dLSE, then dK/dV, which reads it."""
     q, k, v, o, do, dq, dk, dv = views
     B, H, S, D = q.shape
@@ -725,17 +755,19 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
         return False
     (q2, *q_at), (k2, *k_at), (v2, _, _, _), (do2, *do_at), (dq2, *dq_at), (dk2, *dk_at), (dv2, _, _, _) = at
     kv_heads = k.shape[1]
-    meta = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=before >= 0, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    meta = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap), CONSUMER_REGS=CONSUMER_REGS,
+                num_warps=4)
+    scales = _score_scales(scale, softcap)
     block_m, block_n, stages = DQ_SETTING
     launch(_attn_dq_hopper_kernel, _grid(B * H, S // block_m, causal), _descriptor(q2, block_m, D),
            _descriptor(do2, block_m, D), _descriptor(k2, block_n, D), _descriptor(v2, block_n, D),
            _descriptor(dq2, block_m // 2, D), o, lse, lse if dlse is None else dlse, delta, S, H, H // kv_heads,
-           before, scale * LOG2E.value, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
+           before, *scales, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
            BLOCK_N=block_n, STAGES=stages, HAS_DLSE=dlse is not None, **meta)
     block_m, block_n, stages = DKDV_SETTING
     launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads, S // block_n, causal), _descriptor(k2, block_n, D),
            _descriptor(v2, block_n, D), _descriptor(q2, block_m, D), _descriptor(do2, block_m, D),
            _descriptor(dk2, block_n // 2, D), _descriptor(dv2, block_n // 2, D), lse, delta, S, kv_heads, H // kv_heads,
-           before, scale * LOG2E.value, scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n,
+           before, *scales, scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n,
            STAGES=stages, **meta)
     return True
