@@ -287,10 +287,10 @@ def test_tensor_descriptors_only_where_tma_can_load(device, monkeypatch):
 
 def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     """Which calls take the Gluon forward (attention_hopper; its launch recorded here, as on a Hopper GPU): head dim 128
-    or 64, full, causal or a causal window (at head dim 64 of at least GLUON_MIN_WINDOW keys), whole 128-row tiles (any
-    length under a causal mask), bhsd or bshd memory, k and v alike, softcap or not; not a window reaching keys after
-    the query, varlen, fp32, a padded or other head dim, a part tile without the causal mask, more keys than queries, an
-    expanded or odd-strided k, unlike k and v, or a call under TMA_MIN_FLOPS. The others launch the portable kernel."""
+    or 64, full, causal or a causal window (at head dim 64 of at least GLUON_MIN_WINDOW keys), whole 128-row tiles,
+    bhsd or bshd memory, k and v alike, softcap or not; not a window reaching keys after the query,
+    varlen, fp32, a padded or other head dim, a part tile, more keys than queries, an expanded or
+    odd-strided k, unlike k and v, or a call under TMA_MIN_FLOPS. The others launch the portable kernel."""
     attention_module = sys.modules["onepass.ops.attention"]
     hopper = pytest.importorskip("onepass.ops.attention_hopper")
     taken = []
@@ -327,8 +327,7 @@ def test_hopper_forward_only_where_it_covers(device, monkeypatch):
     assert route(q64, k64, causal=True, window=hopper.GLUON_MIN_WINDOW[64] - 1) == "portable"
     assert route(t(1, 4, 256, 80), t(1, 2, 256, 80)) == "portable"
     assert route(t(1, 4, 256, 128, dtype=torch.float32), t(1, 2, 256, 128, dtype=torch.float32)) == "portable"
-    assert route(q[:, :, :200], k[:, :, :200]) == "portable"  # a part tile, no causal mask
-    assert route(t(1, 4, 200, 128), t(1, 2, 200, 128), causal=True) == "hopper"  # (rows past the end not stored)
+    assert route(q[:, :, :200], k[:, :, :200]) == "portable"  # a part tile
     assert route(q[:, :, :128], k) == "portable"  # more keys than queries
     assert route(q, t(1, 1, 256, 128).expand(1, 2, 256, 128)) == "portable"
     assert route(q, t(1, 2, 256, 132)[..., :128]) == "portable"  # rows 264 bytes apart: TMA needs 16-byte steps
@@ -472,31 +471,6 @@ def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
     assert len(taken) == 4
     for name, a, b in zip(("output", "lse", "dq", "dk", "dv"), gluon, portable):
         assert_close(a, b, torch.bfloat16, name + " at scale 0.05")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, kw", [(128, dict(causal=True)), (128, dict(causal=True, layout="bshd")),
-                                          (64, dict(causal=True, window=400, softcap=5.0))])
-def test_gpu_hopper_forward_part_tiles(head_dim, kw, monkeypatch):
-    """The Gluon forward under a causal mask where the sequence ends inside its last 128-row block (1500 = 11 x 128 +
-    92): the rows past the end, loaded from the next head or batch, are neither stored over it nor seen by a row
-    before the end; the backward takes the portable kernels (whole tiles only). Against the float64 reference, every
-    head of two batches."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels run on compute capability 9 only")
-    import onepass.ops.attention_hopper as attention_hopper
-
-    monkeypatch.setattr(sys.modules["onepass.ops.attention"], "TMA_MIN_FLOPS", 0)
-    taken = []
-    for name in ("forward", "backward"):
-        run = getattr(attention_hopper, name)
-        monkeypatch.setattr(attention_hopper, name, lambda *args, run=run, name=name:
-                            taken.append((name, run(*args))) or taken[-1][1])
-    bshd = kw.get("layout") == "bshd"
-    q, k, v = _qkv((2, 1500, 8, head_dim) if bshd else (2, 8, 1500, head_dim),
-                   (2, 1500, 2, head_dim) if bshd else (2, 2, 1500, head_dim), torch.bfloat16, "cuda")
-    _check(q, k, v, torch.bfloat16, use_lse=True, **kw)
-    assert taken == [("forward", True), ("backward", False)]
 
 
 @pytest.mark.gpu

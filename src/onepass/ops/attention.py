@@ -56,11 +56,10 @@ mask registers) at the head dims where that was faster (FWD_TMA_ROWS, DQ_TMA_ROW
 enough to pay for the descriptors' host time (TMA_MIN_FLOPS), else as pointer tiles, as always for
 fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
 
-Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 64 or 128 (full, causal, or a causal window; softcap
-or not) over whole 128-row tiles (any length under a causal mask) run the Gluon forward of ``attention_hopper`` instead
-(FlashAttention-3's structure: a producer warp, two consumer warpgroups, each tile's q k^T issued before the previous
-tile's P V), which writes the same O and LSE; at head dim 128 its backward too: dQ (and delta), then dK/dV, in the same
-structure.
+Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 64 or 128 (full, causal, or a causal window;
+softcap or not) over whole 128-row tiles run the Gluon forward of ``attention_hopper`` instead (FlashAttention-3's
+structure: a producer warp, two consumer warpgroups, each tile's q k^T issued before the previous tile's P V), which
+writes the same O and LSE; at head dim 128 its backward too: dQ (and delta), then dK/dV, in the same structure.
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known

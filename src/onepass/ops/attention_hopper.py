@@ -20,11 +20,11 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
 
 The output and the natural-log LSE are the portable kernel's: either backward follows either forward. Calls covered
 (attention's launcher, then ``forward``/``backward``): a CUDA device of compute capability 9 with a Triton of
-attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), the causal mask with or without a
-window (a query sees its own key and the ``before`` keys before it: Mistral's, Gemma's), with or without a softcap, no
-varlen, as many queries as keys, sequences of whole BLOCK tiles (the forward under a causal mask: any length), untraced
-(torch can't capture the host tensor descriptors), at least attention.TMA_MIN_FLOPS, and tensors whose [S, D] rows lie
-as TMA can address them (``rows_2d``).
+attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), the causal mask with or without
+a window (a query sees its own key and the ``before`` keys before it: Mistral's, Gemma's), with or without a
+softcap, no varlen, as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host
+tensor descriptors), at least attention.TMA_MIN_FLOPS, and tensors whose [S, D] rows lie as TMA can address them
+(``rows_2d``).
 Gluon kernels do not run in Triton's interpreter: CI compiles them for sm_90 (tests/ops/_compile_sm90.py),
 and tests/ops/test_attention.py checks them against the float64 reference and the portable kernel on a GPU.
 """
@@ -110,7 +110,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     item from, and its K/V tiles into the ring, which runs on across items (the next item's first tiles load while
     the consumers finish the last). With one Q buffer, Q is loaded after the item's first STAGES K/V tiles: the
     consumers free it only once the previous item's O is stored."""
-    n_blocks = gl.cdiv(seqlen, BLOCK)
+    n_blocks = seqlen // BLOCK
     t = 0  # the ring's position: K/V tiles loaded so far
     n = 0  # items so far
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -189,8 +189,9 @@ def _scores(s, qk_scale, cap, SOFTCAP: gl.constexpr):
     """Raw q k^T products as scores in log2 units, and what the backward's softcap term needs: s * qk_scale; with
     SOFTCAP cap * tanh(s * qk_scale) and the tanh (the host passes qk_scale = scale / softcap, cap = softcap * log2 e).
     The tanh is the hardware's approximation (one MUFU operation, relative error about 2^-11, FlashAttention-3's
-    choice), not the portable kernels' exp2 and division, which made the softcapped forward MUFU-bound; the forward and
-    backward compute it alike, so the backward's P matches the forward's LSE."""
+    choice), not the portable kernels' exp2 and division, which left the softcapped forward MUFU-bound (the forward
+    1.21-1.32x faster: results/h200/attention_gluon_window.log, run 5); forward and backward compute it alike, so the
+    backward's P matches the forward's LSE."""
     if SOFTCAP:
         t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * qk_scale], dtype=gl.float32,
                                       is_pure=True, pack=1)
@@ -240,15 +241,12 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
 
 
 @gluon.jit
-def _consumer(o_desc, o_ptr, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              n_items, n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-              PART: gl.constexpr):
+def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh,
+              n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Query rows [HALF * BLOCK_M / 2, ...) of each of this program's items: the online softmax over the item's key
-    tiles, then O and LSE. PART (causal only): the sequence ends inside its last query block, whose rows past the end
-    are computed from whatever lies there (the next head's rows, or TMA's zeros) and not stored; under the causal mask
-    no row before the end sees a key past it."""
+    tiles, then O and LSE."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -256,7 +254,7 @@ def _consumer(o_desc, o_ptr, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_e
     p_layout: gl.constexpr = _operand_layout(o_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
-    n_blocks = gl.cdiv(seqlen, BLOCK_M)
+    n_blocks = seqlen // BLOCK_M
     t = 0  # the ring's position of the item's first tile
     n = 0  # items so far
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -315,17 +313,12 @@ def _consumer(o_desc, o_ptr, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_e
         mbarrier.arrive(kv_empty.index(last))
 
         o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-        if PART and (m_block == n_blocks - 1):  # a TMA store would write the rows past the end: another head's
-            o_rows = first + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
-            o_cols = h * o_ch + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            at = gl.expand_dims((b * o_rb + h * o_rh + o_rows).to(gl.int64) * o_ss, 1) + gl.expand_dims(o_cols, 0)
-            gl.store(o_ptr + at, o.to(dtype), mask=gl.expand_dims(o_rows < seqlen, 1))
-        else:
-            my_q.store(o.to(dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
-            fence_async_shared()
-            _barrier()
-            tma.async_copy_shared_to_global(o_desc, [b * o_rb + h * o_rh + first, h * o_ch], my_q)
-        gl.store(lse_ptr + bh * seqlen + rows, (m_i + gl.log2(l_i)) / LOG2E, mask=rows < seqlen)
+        my_q.store(o.to(dtype))  # (this warpgroup's Q rows, read by its own finished matmuls only)
+        fence_async_shared()
+        _barrier()
+        tma.async_copy_shared_to_global(o_desc, [b * o_rb + h * o_rh + m_block * BLOCK_M + HALF * WG_M, h * o_ch],
+                                        my_q)
+        gl.store(lse_ptr + bh * seqlen + rows, (m_i + gl.log2(l_i)) / LOG2E)
         tma.store_wait(0)
         _barrier()  # the O tile is read out of the Q buffer: one arrival for the warpgroup
         mbarrier.arrive(q_empty.index(buf))
@@ -334,16 +327,15 @@ def _consumer(o_desc, o_ptr, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_e
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, o_ss, lse_ptr, seqlen, n_heads, group, before,
-                            qk_scale, cap, n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch,
-                            HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                            CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PART: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr):
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, before, qk_scale, cap,
+                            n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch, HEAD_DIM: gl.constexpr,
+                            BLOCK: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                            WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Each program takes work items (batch, head, block of BLOCK queries) pid, pid + programs, ... (one a program, or
     persistent: PERSISTENT_TILES).
     A tile of (b, h, rows s...) sits at row b * rb + h * rh + s, column h * ch of its tensor's 2-D view (rows_2d)."""
     dtype: gl.constexpr = q_desc.dtype
-    n_bh = n_items // gl.cdiv(seqlen, BLOCK)
+    n_bh = n_items // (seqlen // BLOCK)
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS, BLOCK, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
@@ -360,12 +352,12 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, o_ss, lse_ptr
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
     gl.warp_specialize([
-        (_consumer, (o_desc, o_ptr, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                     kv_empty, n_items, n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 0, HEAD_DIM,
-                     BLOCK, BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP, PART)),
-        (_consumer, (o_desc, o_ptr, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                     kv_empty, n_items, n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 1, HEAD_DIM,
-                     BLOCK, BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP, PART)),
+        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
+                     n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK, BLOCK, STAGES,
+                     Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
+        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
+                     n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK, BLOCK, STAGES,
+                     Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                      n_items, n_bh, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK,
                      STAGES, Q_BUFFERS, CAUSAL, WINDOW)),
@@ -720,15 +712,15 @@ def _grid(heads: int, n_blocks: int, causal: bool) -> tuple[int, int]:
 
 def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, causal: bool, before: int,
             softcap: float) -> bool:
-    """Write o ([B, H, S, D] view of a new output) and lse [B, H, S] from the [B, H, S, D] views of q, k, v, and return
-    True, for a call this forward covers beyond what attention's launcher checked (device, dtype, mask, varlen, size,
-    tracing): the head dim and mask, whole tiles unless causal, as many queries as keys, the views' strides, k and v
-    laid out alike (one set of coordinates). Else False, nothing written. ``before`` >= 0 (causal only): a query sees
-    its own key and the ``before`` keys before it (attention's sliding window); ``softcap`` (0: none): scores softcap *
-    tanh(scale q k / softcap)."""
+    """Write o ([B, H, S, D] view of a new output) and lse [B, H, S] from the [B, H, S, D] views of q, k, v, and
+    return True, for a call this forward covers beyond what attention's launcher checked (device, dtype, mask,
+    varlen, size, tracing): the head dim and mask, whole tiles, as many queries as keys, the views' strides, k and v
+    laid out alike (one set of coordinates). Else False, nothing written. ``before`` >= 0 (causal only): a query
+    sees its own key and the ``before`` keys before it (attention's sliding window); ``softcap`` (0: none): scores
+    softcap * tanh(scale q k / softcap)."""
     q, k, v = views
     B, H, S, D = q.shape
-    if (D, causal) not in GLUON_FWD or S % BLOCK and not causal or k.shape[2] != S or before >= 0 and (
+    if (D, causal) not in GLUON_FWD or S % BLOCK or k.shape[2] != S or before >= 0 and (
             not causal or before + 1 < GLUON_MIN_WINDOW.get(D, 0)):
         return False
     at = [rows_2d(t) for t in (q, k, v, o)]
@@ -736,18 +728,17 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
         return False
     (q2, *q_at), (k2, *k_at), (v2, _, _, _), (o2, *o_at) = at
     descriptors = [_descriptor(t, BLOCK, D) for t in (q2, k2, v2)] + [_descriptor(o2, BLOCK // 2, D)]
-    n_blocks = -(-S // BLOCK)
-    n_items = B * H * n_blocks
-    mean_tiles = (n_blocks + 1) / 2 if causal else n_blocks
+    n_items = B * H * (S // BLOCK)
+    mean_tiles = (S // BLOCK + 1) / 2 if causal else S // BLOCK
     if before >= 0:  # a window's tiles, one more where it starts inside a tile
         mean_tiles = min(mean_tiles, before // BLOCK + 2)
     stages, q_buffers = FWD_BUFFERS[D]
     persistent = q_buffers == 2 or mean_tiles <= PERSISTENT_TILES
     programs = min(n_items, num_programs_for(q.device)) if persistent else n_items
-    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, o2, o2.stride(0), lse, S, H, H // k.shape[1], before,
+    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, H // k.shape[1], before,
            *_score_scales(scale, softcap), n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=stages,
-           Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap), PART=S % BLOCK != 0,
-           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+           Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap), CONSUMER_REGS=CONSUMER_REGS,
+           num_warps=4)
     return True
 
 
