@@ -629,8 +629,7 @@ def _hopper(g, q, before, after):
     """``attention_hopper`` where a call may take its Gluon kernels (which then check the rest: their docstrings),
     else None. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a Triton without this form of
     it still imports onepass."""
-    if not ((after == 0 or before < 0 and after < 0) and _descriptor_call(g, q, before, after)
-            and _on_hopper(q)):  # full, causal, or a causal window
+    if not (after <= 0 and _descriptor_call(g, q, before, after) and _on_hopper(q)):  # after: -1 all keys, 0 causal
         return None
     from onepass.ops import attention_hopper
 
@@ -641,7 +640,7 @@ def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
     """Run the Gluon forward where it covers the call, writing o and lse; False where the portable kernel runs."""
     hopper = _hopper(g, q, before, after)
     return hopper is not None and hopper.forward((g.view(q), g.view(k), g.view(v)), g.view(o), lse, scale, after == 0,
-                                                 before, softcap or 0.0)
+                                                 before, softcap)
 
 
 def _hopper_backward(g, tensors, lse, dlse, delta, scale, before, after, softcap) -> bool:
@@ -649,7 +648,7 @@ def _hopper_backward(g, tensors, lse, dlse, delta, scale, before, after, softcap
     False where the portable kernels run."""
     hopper = _hopper(g, tensors[0], before, after)
     return hopper is not None and hopper.backward(tuple(g.view(t) for t in tensors), lse, dlse, delta, scale,
-                                                  after == 0, before, softcap or 0.0)
+                                                  after == 0, before, softcap)
 
 
 def _attention_fwd_launch(q, k, v, cu_seqlens, scale, before, after, softcap, layout):
