@@ -52,8 +52,8 @@ from onepass.ops.dispatch import launch, num_programs_for
 # head dim 64 under a causal mask only since its programs are persistent, run 5).
 GLUON_FWD = {(64, False), (64, True), (128, False), (128, True)}
 # Causal windows (a query and the keys before it) of fewer keys than this run the portable forward: at head dim 64 its
-# smaller key tiles waste less of a narrow window's two masked edges (0.84-0.87x at 128 and 256 keys, level at 384,
-# 1.05-1.07x from 512; at head dim 128 the Gluon forward led from 128 keys: results/h200/attention_gluon_window.log).
+# smaller key tiles waste less of a narrow window's two masked edges; from this width on the Gluon forward led, and at
+# head dim 128 at every width timed (results/h200/attention_gluon_window.log, runs 1-3).
 GLUON_MIN_WINDOW = {64: 384}
 BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 # The forward's (K/V stages, Q buffers) by head dim: at 128, 3 stages of [128, 128] 16-bit K and V tiles and one Q
@@ -189,9 +189,9 @@ def _scores(s, qk_scale, cap, SOFTCAP: gl.constexpr):
     """Raw q k^T products as scores in log2 units, and what the backward's softcap term needs: s * qk_scale; with
     SOFTCAP cap * tanh(s * qk_scale) and the tanh (the host passes qk_scale = scale / softcap, cap = softcap * log2 e).
     The tanh is the hardware's approximation (one MUFU operation, relative error about 2^-11, FlashAttention-3's
-    choice), not the portable kernels' exp2 and division, which left the softcapped forward MUFU-bound (the forward
-    1.21-1.32x faster: results/h200/attention_gluon_window.log, run 5); forward and backward compute it alike, so the
-    backward's P matches the forward's LSE."""
+    choice), not the portable kernels' exp2 and division, which left the softcapped forward MUFU-bound
+    (results/h200/attention_gluon_window.log, runs 4-5); forward and backward compute it alike, so the backward's P
+    matches the forward's LSE."""
     if SOFTCAP:
         t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * qk_scale], dtype=gl.float32,
                                       is_pure=True, pack=1)
