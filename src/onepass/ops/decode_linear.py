@@ -122,6 +122,16 @@ def _decode_linear_kernel(
     row_ok, feat_ok = rows < n_rows, feats < n_out
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
     w_rows = feats.to(tl.int64)[:, None] * n_in  # weights are contiguous [N, K]
+    # The epilogue's bias and residual asked for now, under the weights' stream: loaded in the epilogue, their round
+    # trip would follow the weights' (and a split tile's count) at every program's end
+    # (results/h200/decode_linear_epilogue_loads.log)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)
+        if GATED:
+            bias_up = tl.load(b1_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # one weight only
+        res = tl.load(r_ptr + rows.to(tl.int64)[:, None] * r_row_stride + feats[None, :],
+                      mask=row_ok[:, None] & feat_ok[None, :], other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     chunk = tl.cdiv(tl.cdiv(n_in, SPLIT_K), BLOCK_K) * BLOCK_K  # of K, a split's
@@ -158,15 +168,14 @@ def _decode_linear_kernel(
                 acc_up += tl.load(first + s * slot_len + BLOCK_M * BLOCK_N + cell,
                                   mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
-        acc += tl.load(b_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
         if GATED:
-            acc_up += tl.load(b1_ptr + feats, mask=feat_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += bias_up[None, :]
     if GATED:
         acc, _ = act_and_grad(acc, ACT, False)
         acc = acc * acc_up
-    if HAS_RESIDUAL:  # one weight only
-        r = r_ptr + rows.to(tl.int64)[:, None] * r_row_stride + feats[None, :]
-        acc += tl.load(r, mask=row_ok[:, None] & feat_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        acc += res
     y = y_ptr + rows[:, None] * n_out + feats[None, :]  # outputs are contiguous [n_rows, n_out]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & feat_ok[None, :])
 
