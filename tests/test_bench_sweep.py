@@ -126,8 +126,10 @@ def test_the_sweep_writes_every_cell_and_skips_the_too_large_and_those_past_its_
     assert [c["skipped"] for c in cells] == ["time budget: 0 minutes spent"] * 4
     # a new run without --resume keeps the earlier one's file aside rather than writing over it
     said, earlier = [], path.read_text()
+    monkeypatch.setattr(sweep, "_version", lambda dist: None)  # as where liger-kernel is not installed
     sweep.run_sweep("quick", "rope", tmp_path, max_minutes=0, log=said.append)
     assert path.with_suffix(".previous.json").read_text() == earlier and any("moved to" in line for line in said)
+    assert sweep.NO_LIGER in said  # a ratio against fewer peers is said to be one
 
 
 def test_a_resumed_sweep_measures_only_what_the_budget_skipped(monkeypatch, tmp_path):
@@ -204,6 +206,7 @@ def test_the_report_without_matplotlib_is_markdown_only(tmp_path, monkeypatch):
     assert written == [tmp_path / "report" / "sweep-quick.md"] and "no heatmaps" in said[0]
     text = written[0].read_text()
     assert text.startswith("# onepass sweep (quick grid) on NVIDIA H100 80GB HBM3")
+    assert "Liger peer is left out" not in text
     assert "| rms_norm | fwd | 4 | 1 | 1 | 0.89 / 2.00 | 1.20 / 2.00 |" in text  # min / median over 2 cells
     assert "| linear_cross_entropy | fwd+bwd | 1 | 0 | 0 | 2.05 / 2.05 | 2.00 / 2.00 |" in text
     below = text.split("## Below 0.97x of the best peer")[1].split("##")[0]
@@ -251,3 +254,13 @@ def test_the_commands(tmp_path, capsys, monkeypatch):
     _fake_gpu(monkeypatch)
     assert main(["bench", "sweep", "--only", "attention", "--out", str(tmp_path)]) == 2
     assert "no op of the sweep's grids contains 'attention'" in capsys.readouterr().err
+
+
+def test_a_report_without_liger_says_its_ratios_leave_that_peer_out(tmp_path):
+    path = _synthetic(tmp_path)
+    data = json.loads(path.read_text())
+    data["env"]["liger_kernel"] = None
+    path.write_text(json.dumps(data))
+    text = sweep.to_markdown(json.loads(path.read_text()))
+    assert "**Liger-kernel is not installed here: the Liger peer is left out of every cell" in text
+

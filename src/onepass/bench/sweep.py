@@ -38,6 +38,10 @@ PEERS = ("eager", "torch.compile", "torch", "liger")  # not onepass's own varian
 # The peers that are Python too (issue 31's eager wall-time target is against these; the C++ ops'
 # host cost is the separate per-call target, benchmarks/host_overhead.py)
 PYTHON_PEERS = ("torch.compile", "liger")
+# Where liger-kernel is not installed its rows are absent from every cell: said at the start and in the report, for a
+# ratio against the other peers alone reads as one against them all
+NO_LIGER = ("liger-kernel is not installed here: the Liger peer is left out of every cell, whose ratios are "
+            "against the other peers only (pip install liger-kernel)")
 BELOW = 0.97  # a ratio under this is onepass losing to a peer, past the timing noise
 BIG_TENSOR = 64 * 2**20  # past this a memory-bound op's bandwidth is the chip's, not the L2's
 # The eager peers hold several fp32 copies of the largest tensor (logits, scores): past 4 GiB
@@ -235,6 +239,8 @@ def run_sweep(grid: str = "quick", only: str | None = None, out_dir: str | Path 
            "liger_kernel": _version("liger-kernel"), "transformers": _version("transformers")}
     log(f"{env['gpu']}: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s; "
         f"{len(cells)} cells ({grid} grid)")
+    if env["liger_kernel"] is None:
+        log(NO_LIGER)
     path = Path(out_dir) / gpu_folder(env["gpu"]) / f"{sweep_stem(grid, only)}.json"
     runs, earlier = _earlier_cells(path, env) if resume else ([], {})
     env["runs"] = [*runs, _run_summary(env)]
@@ -312,6 +318,8 @@ def to_markdown(data: dict) -> str:
              f"transformers {env.get('transformers') or '—'}, {env['date']}; copy bandwidth {env['copy_GBps']:.0f} "
              f"GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s (measured in this run).", "",
              f"Command: `{env['command']}`", ""]
+    if not env.get("liger_kernel"):
+        lines += [f"**{NO_LIGER[0].upper()}{NO_LIGER[1:]}.**", ""]
     runs = env.get("runs", [])
     if len(runs) > 1:  # a resumed sweep: each cell was measured whole in one of these
         lines += [f"Measured in {len(runs)} runs (`--resume`), each cell within one: "
