@@ -262,5 +262,5 @@ def test_a_report_without_liger_says_its_ratios_leave_that_peer_out(tmp_path):
     data["env"]["liger_kernel"] = None
     path.write_text(json.dumps(data))
     text = sweep.to_markdown(json.loads(path.read_text()))
-    assert "**Liger-kernel is not installed here: the Liger peer is left out of every cell" in text
+    assert "**Liger-kernel is not installed in this run: the Liger peer is left out of every cell" in text
 

@@ -40,7 +40,7 @@ PEERS = ("eager", "torch.compile", "torch", "liger")  # not onepass's own varian
 PYTHON_PEERS = ("torch.compile", "liger")
 # Where liger-kernel is not installed its rows are absent from every cell: said at the start and in the report, for a
 # ratio against the other peers alone reads as one against them all
-NO_LIGER = ("liger-kernel is not installed here: the Liger peer is left out of every cell, whose ratios are "
+NO_LIGER = ("liger-kernel is not installed in this run: the Liger peer is left out of every cell, whose ratios are "
             "against the other peers only (pip install liger-kernel)")
 BELOW = 0.97  # a ratio under this is onepass losing to a peer, past the timing noise
 BIG_TENSOR = 64 * 2**20  # past this a memory-bound op's bandwidth is the chip's, not the L2's
