@@ -319,7 +319,7 @@ def to_markdown(data: dict) -> str:
              f"GB/s, bf16 matmul {env['matmul_bf16_TFLOPs']:.0f} TFLOP/s (measured in this run).", "",
              f"Command: `{env['command']}`", ""]
     if not env.get("liger_kernel"):
-        lines += [f"**{NO_LIGER[0].upper()}{NO_LIGER[1:]}.**", ""]
+        lines += [f"**{NO_LIGER}.**", ""]
     runs = env.get("runs", [])
     if len(runs) > 1:  # a resumed sweep: each cell was measured whole in one of these
         lines += [f"Measured in {len(runs)} runs (`--resume`), each cell within one: "
