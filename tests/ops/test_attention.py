@@ -364,15 +364,14 @@ def test_hopper_forward_programs(device, monkeypatch):
 
 
 def test_hopper_backward_only_where_it_covers(device, monkeypatch):
-    """Which backward calls take the Gluon kernels (their launches recorded, as on a Hopper GPU): head dim 128 full or
-    causal, a causal window, a softcap, grouped-query heads, bhsd or bshd memory, fused q/k/v slices, a gradient into
-    the LSE; not head dim 64, a window reaching keys after the query, a part tile, or a dO whose rows TMA cannot
-    address. The others launch the portable ones."""
+    """Which backward calls take the Gluon kernels (their launches recorded, as on a Hopper GPU): at least
+    GLUON_BWD_MIN_FLOPS, after either forward; head dim 128 full or causal, a causal window, a softcap, grouped-query
+    heads, bhsd or bshd memory, fused q/k/v slices, a gradient into the LSE; not head dim 64, a window reaching keys
+    after the query, a part tile, or a dO whose rows TMA cannot address. The others launch the portable ones."""
     attention_module = sys.modules["onepass.ops.attention"]
     hopper = pytest.importorskip("onepass.ops.attention_hopper")
     taken = []
     monkeypatch.setattr(attention_module, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
     monkeypatch.setattr(attention_module, "launch", lambda *args, **meta: taken.append("portable"))
     monkeypatch.setattr(hopper, "launch", lambda *args, **meta: taken.append("hopper"))
 
@@ -389,6 +388,12 @@ def test_hopper_backward_only_where_it_covers(device, monkeypatch):
         return torch.zeros(shape, dtype=torch.float16, device=device)
 
     q, k = t(1, 4, 256, 128), t(1, 2, 256, 128)
+    flops = 4 * 4 * 256 * 256 * 128
+    monkeypatch.setattr(attention_module, "GLUON_BWD_MIN_FLOPS", flops + 1)
+    assert route(q, k) == {"portable"}  # under GLUON_BWD_MIN_FLOPS
+    monkeypatch.setattr(attention_module, "GLUON_BWD_MIN_FLOPS", flops)  # the portable forward, the Gluon backward:
+    assert route(q, k) == {"hopper"}  # (the forward's TMA_MIN_FLOPS, 1e11, is far above this call)
+    monkeypatch.setattr(attention_module, "GLUON_BWD_MIN_FLOPS", 0)
     assert route(q, k) == route(q, k, causal=True) == route(q, k, with_lse=True) == {"hopper"}
     assert route(t(1, 256, 4, 128), t(1, 256, 2, 128), layout="bshd") == {"hopper"}
     qkv = t(2, 256, 8 * 128)  # a fused projection's slices
@@ -445,6 +450,7 @@ def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
 
     attention_module = sys.modules["onepass.ops.attention"]
     monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
+    monkeypatch.setattr(attention_module, "GLUON_BWD_MIN_FLOPS", 0)
     monkeypatch.setattr(attention_hopper, "PERSISTENT_TILES", persistent_tiles)
     taken = []
     for name in ("forward", "backward"):

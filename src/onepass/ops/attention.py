@@ -59,7 +59,8 @@ fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
 Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 64 or 128 (full, causal, or a causal window;
 softcap or not) over whole 128-row tiles run the Gluon forward of ``attention_hopper`` instead (FlashAttention-3's
 structure: a producer warp, two consumer warpgroups, each tile's q k^T issued before the previous tile's P V), which
-writes the same O and LSE; at head dim 128 its backward too: dQ (and delta), then dK/dV, in the same structure.
+writes the same O and LSE (calls of at least TMA_MIN_FLOPS); at head dim 128 its backward too: dQ (and delta), then
+dK/dV, in the same structure (calls of at least GLUON_BWD_MIN_FLOPS, after either forward).
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known
@@ -146,6 +147,10 @@ DQ_TMA_ROWS = {64, 128}
 # of GPU time would not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take them, a bound below
 # the smallest shape timed (attention_kv_tma.log's d64; the numbers in CHANGELOG.md).
 TMA_MIN_FLOPS = 1e11
+# The Gluon backward (attention_hopper) runs 13-25% faster than the portable one at head dim 128 down to the smallest
+# calls timed, saving more GPU time than its 7 descriptors cost on the host (~25 us on a 2-core CPU) from about 4e9
+# forward FLOPs (results/h200/attention_gluon_threshold.log), far below the forward's bound.
+GLUON_BWD_MIN_FLOPS = 4e9
 # Triton releases whose Gluon API (experimental, renamed between releases) the Hopper forward is written for: 3.6 run
 # on a GPU (results/h200/attention_gluon_fwd.log), 3.7 compiled for sm_90 by tests/ops/_compile_sm90.py on a CPU, not
 # run on a GPU. Others take the portable forward.
@@ -520,11 +525,11 @@ def dkdv_kernels(head_dim: int) -> tuple[str, ...]:
     return ("dkdv",) if config_row(head_dim) in CONFIGS["dkdv"] else ("dv", "dk")
 
 
-def _descriptor_call(g: "_Geometry", t: Tensor, before: int, after: int) -> bool:
-    """Whether a call may load through host tensor descriptors (kv_descriptors, the Hopper forward): not varlen,
-    not empty, at least TMA_MIN_FLOPS (counted over the keys a query sees), 16-bit, untraced."""
+def _descriptor_call(g: "_Geometry", t: Tensor, before: int, after: int, min_flops: float) -> bool:
+    """Whether a call may load through host tensor descriptors (kv_descriptors, the Hopper kernels): not varlen,
+    not empty, at least ``min_flops`` (the forward's, counted over the keys a query sees), 16-bit, untraced."""
     flops = g.flops(before, after)
-    return not (g.varlen or not flops or flops < TMA_MIN_FLOPS or t.dtype == torch.float32 or tracing(t))
+    return not (g.varlen or not flops or flops < min_flops or t.dtype == torch.float32 or tracing(t))
 
 
 def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head_dims: set, before: int,
@@ -535,7 +540,7 @@ def kv_descriptors(g: "_Geometry", tensors: tuple[Tensor, ...], block: int, head
     fp32, varlen (a tile past a sequence's end would read the next sequence instead of zeros), a tensor TMA
     cannot address (16-byte alignment, no zero strides: an expanded tensor), or a traced call (torch 2.11-2.13
     capture host descriptors only when Dynamo traces the launch itself, not an op's body)."""
-    if config_row(g.head_dim) not in head_dims or not _descriptor_call(g, tensors[0], before, after):
+    if config_row(g.head_dim) not in head_dims or not _descriptor_call(g, tensors[0], before, after, TMA_MIN_FLOPS):
         return None
     views = [g.view(t) for t in tensors]
     size = tensors[0].element_size()
@@ -625,11 +630,12 @@ def _on_hopper(t: Tensor) -> bool:
             and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
-def _hopper(g, q, before, after):
-    """``attention_hopper`` where a call may take its Gluon kernels (which then check the rest: their docstrings),
-    else None. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a Triton without this form of
-    it still imports onepass."""
-    if not (after <= 0 and _descriptor_call(g, q, before, after) and _on_hopper(q)):  # after: -1 all keys, 0 causal
+def _hopper(g, q, before, after, min_flops):
+    """``attention_hopper`` where a call of at least ``min_flops`` may take its Gluon kernels (which then check the
+    rest: their docstrings), else None. Imported here, on a Hopper GPU only: Gluon's API is experimental, and a
+    Triton without this form of it still imports onepass."""
+    # after: -1 all keys, 0 causal
+    if not (after <= 0 and _descriptor_call(g, q, before, after, min_flops) and _on_hopper(q)):
         return None
     from onepass.ops import attention_hopper
 
@@ -638,7 +644,7 @@ def _hopper(g, q, before, after):
 
 def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
     """Run the Gluon forward where it covers the call, writing o and lse; False where the portable kernel runs."""
-    hopper = _hopper(g, q, before, after)
+    hopper = _hopper(g, q, before, after, TMA_MIN_FLOPS)
     return hopper is not None and hopper.forward((g.view(q), g.view(k), g.view(v)), g.view(o), lse, scale, after == 0,
                                                  before, softcap)
 
@@ -646,7 +652,7 @@ def _hopper_forward(g, q, k, v, o, lse, scale, before, after, softcap) -> bool:
 def _hopper_backward(g, tensors, lse, dlse, delta, scale, before, after, softcap) -> bool:
     """Run the Gluon backward where it covers the call (tensors: q, k, v, o, do, dq, dk, dv), writing dq, dk, dv;
     False where the portable kernels run."""
-    hopper = _hopper(g, tensors[0], before, after)
+    hopper = _hopper(g, tensors[0], before, after, GLUON_BWD_MIN_FLOPS)
     return hopper is not None and hopper.backward(tuple(g.view(t) for t in tensors), lse, dlse, delta, scale,
                                                   after == 0, before, softcap)
 

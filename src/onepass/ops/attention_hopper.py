@@ -23,8 +23,8 @@ The output and the natural-log LSE are the portable kernel's: either backward fo
 attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), the causal mask with or without
 a window (a query sees its own key and the ``before`` keys before it: Mistral's, Gemma's), with or without a
 softcap, no varlen, as many queries as keys, sequences of whole BLOCK tiles, untraced (torch can't capture the host
-tensor descriptors), at least attention.TMA_MIN_FLOPS, and tensors whose [S, D] rows lie as TMA can address them
-(``rows_2d``).
+tensor descriptors), at least attention.TMA_MIN_FLOPS (the backward: GLUON_BWD_MIN_FLOPS), and tensors whose [S, D]
+rows lie as TMA can address them (``rows_2d``).
 Gluon kernels do not run in Triton's interpreter: CI compiles them for sm_90 (tests/ops/_compile_sm90.py),
 and tests/ops/test_attention.py checks them against the float64 reference and the portable kernel on a GPU.
 """
