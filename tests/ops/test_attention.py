@@ -407,6 +407,24 @@ def test_hopper_backward_only_where_it_covers(device, monkeypatch):
     assert route(q, k, do=t(1, 4, 256, 132)[..., :128]) == {"portable"}  # dO rows 264 bytes apart
 
 
+def test_group_shares_rule():
+    """The dK/dV kernel splits a kv group's q heads between programs only where its grid has few programs and the
+    split shortens the busiest SM's work: Llama-3.1-8B's 8 kv heads at batch 1 and 2048 causal tokens (128 programs,
+    the first key block's 16x the last's work) in 2; not the same grid without a mask (even work) or with a narrow
+    window, nor twice the programs; a short sequence's grid further; always a divisor of the group."""
+    hopper = pytest.importorskip("onepass.ops.attention_hopper")
+    block_m, block_n, _ = hopper.DKDV_SETTING
+
+    def shares(n_bhk, seqlen, group, causal=True, before=-1):
+        return hopper.group_shares(n_bhk, seqlen, group, block_m, block_n, 128, causal, before, 132)
+
+    assert shares(8, 2048, 4) == 2
+    assert shares(8, 2048, 4, causal=False) == shares(8, 2048, 4, before=500) == shares(16, 2048, 4) == 1
+    assert shares(4, 8192, 7) == 1
+    assert shares(4, 1536, 4) == shares(4, 1536, 4, causal=False) == 4
+    assert shares(1, 2048, 32) in (8, 16, 32) and shares(2, 1024, 6) in (2, 3, 6)
+
+
 def test_bfloat16_small(device):
     """bfloat16 at small sizes: the kernels on a GPU; in Triton's interpreter, whose tl.dot on
     bfloat16 tiles returns garbage (values of 1e8), the reference."""
@@ -427,23 +445,20 @@ def test_gpu_bf16_real_sizes(head_dim, kw, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, kw, persistent_tiles", [(64, dict(), 16), (128, dict(), 16),
-                                                            (128, dict(causal=True), 16),
-                                                            (128, dict(causal=True, layout="bshd"), 16),
-                                                            (128, dict(causal=True), 0),
-                                                            (128, dict(causal=True, window=300), 16),
-                                                            (128, dict(causal=True, window=1024), 0),
-                                                            (128, dict(causal=True, window=1), 16),
-                                                            (64, dict(causal=True, window=400), 16),
-                                                            (128, dict(softcap=2.0), 16),
-                                                            (128, dict(causal=True, window=300, softcap=5.0), 16)])
-def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
+@pytest.mark.parametrize("head_dim, kw, persistent_tiles, shares", [
+    (64, dict(), 16, None), (128, dict(), 16, None), (128, dict(), 16, 1), (128, dict(causal=True), 16, None),
+    (128, dict(causal=True), 16, 1), (128, dict(causal=True, layout="bshd"), 16, None),
+    (128, dict(causal=True, layout="bshd"), 16, 1), (128, dict(causal=True), 0, 2),
+    (128, dict(causal=True, window=300), 16, None), (128, dict(causal=True, window=1024), 0, 1),
+    (128, dict(causal=True, window=1), 16, 2), (64, dict(causal=True, window=400), 16, None),
+    (128, dict(softcap=2.0), 16, None), (128, dict(causal=True, window=300, softcap=5.0), 16, 1)])
+def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, shares, monkeypatch):
     """The Gluon forward and (GLUON_BWD) backward, which on a Hopper GPU must take these calls, against the float64
     reference with a gradient into the LSE, grouped-query heads, 12 query blocks (192 work items: persistent programs
     take one or two; PERSISTENT_TILES 0 at head dim 128, one a program), causal windows that start inside a tile, on
     a tile's edge, within a warpgroup's rows (the rows after the first see none of the item's first tile) and of one
-    key, softcaps small enough to bend the scores (tanh saturates); and at another scale against the portable
-    kernels."""
+    key, softcaps small enough to bend the scores (tanh saturates); the dK/dV kernel's kv groups split in shares by
+    the rule (4 at these 48 programs), in 2, or whole; and at another scale against the portable kernels."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on compute capability 9 only")
     import onepass.ops.attention_hopper as attention_hopper
@@ -452,6 +467,8 @@ def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, monkeypatch):
     monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
     monkeypatch.setattr(attention_module, "GLUON_BWD_MIN_FLOPS", 0)
     monkeypatch.setattr(attention_hopper, "PERSISTENT_TILES", persistent_tiles)
+    if shares:
+        monkeypatch.setattr(attention_hopper, "group_shares", lambda *args: shares)
     taken = []
     for name in ("forward", "backward"):
         run = getattr(attention_hopper, name)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -46,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from onepass.ops.dispatch import launch, num_programs_for
+from onepass.ops.dispatch import cdiv, launch, num_programs_for
 
 # (head dim, causal) pairs this forward runs: where it beat the portable kernel or tied (attention_gluon_fwd.log; at
 # head dim 64 under a causal mask only since its programs are persistent, run 5).
@@ -72,6 +74,11 @@ CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer wa
 GLUON_BWD = {(128, False), (128, True)}
 DQ_SETTING = (128, 128, 2)
 DKDV_SETTING = (64, 128, 2)
+# A grid of few dK/dV programs splits each kv group's q heads between programs (group_shares), which store fp32
+# partial sums that a second launch adds (SUM_ROWS rows a program). The cost model weighs their traffic at the H200's
+# bf16 matmul rate over its copy bandwidth (709 TFLOP/s / 4.2 TB/s, results/h200/attention.md).
+MATMUL_FLOPS_PER_BYTE = 170
+SUM_ROWS = 16
 LOG2E = gl.constexpr(1.4426950408889634)
 # a barrier of the calling partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -577,11 +584,14 @@ def _dkdv_tile(t, i, stats_row, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_p
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
-                   out_row, out_col, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before, qk_scale, cap, scale,
-                   HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
-    """Key rows [HALF * BLOCK_N / 2, ...) of the block: dK and dV over the query tiles of the kv group's q heads."""
+def _dkdv_consumer(dk_desc, dv_desc, part_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
+                   empty, out_row, out_col, part_row, part_size, stats_row, seqlen, heads, n_block, tile_lo, n_tiles,
+                   before, qk_scale, cap, scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   SOFTCAP: gl.constexpr, PARTIAL: gl.constexpr):
+    """Key rows [HALF * BLOCK_N / 2, ...) of the block: dK and dV over the query tiles of ``heads`` q heads of the kv
+    group, stored (PARTIAL) as fp32 rows part_row... of part_ptr's dK and, part_size elements on, dV, else as dk and
+    dv."""
     WG_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -602,7 +612,7 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
         unmasked_hi = n_tiles
     mbarrier.wait(fixed_bar, 0)
     t = 0
-    for g in range(group):  # every q head of the kv group adds into the same registers
+    for g in range(heads):  # every q head of the program's share of the group adds into the same registers
         for i in range(tile_lo, unmasked_lo):
             dk, dv = _dkdv_tile(t, i, stats_row + g * seqlen, k_wg, v_wg, q_smem, do_smem, ready, empty, lse_ptr,
                                 delta_ptr, dk, dv, keys, qk_scale, cap, before, True, WINDOW, SOFTCAP, WG_N, BLOCK_M,
@@ -619,28 +629,39 @@ def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
                                     delta_ptr, dk, dv, keys, qk_scale, cap, before, True, WINDOW, SOFTCAP, WG_N,
                                     BLOCK_M, STAGES, s_layout, op_layout)
                 t += 1
-    # this warpgroup's K and V rows, read by its own finished matmuls only, take its dK and dV
-    k_wg.store((dk * scale).to(k_wg.dtype))
-    v_wg.store(dv.to(v_wg.dtype))
-    fence_async_shared()
-    _barrier()
-    tma.async_copy_shared_to_global(dk_desc, [out_row + HALF * WG_N, out_col], k_wg)
-    tma.async_copy_shared_to_global(dv_desc, [out_row + HALF * WG_N, out_col], v_wg)
-    tma.store_wait(0)
+    if PARTIAL:  # summed with the group's other shares by _sum_group_shares
+        rows = part_row + HALF * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        at = gl.expand_dims(rows, 1) * HEAD_DIM + gl.expand_dims(cols, 0)
+        gl.store(part_ptr + at, dk * scale)
+        gl.store(part_ptr + part_size + at, dv)
+    else:  # this warpgroup's K and V rows, read by its own finished matmuls only, take its dK and dV
+        k_wg.store((dk * scale).to(k_wg.dtype))
+        v_wg.store(dv.to(v_wg.dtype))
+        fence_async_shared()
+        _barrier()
+        tma.async_copy_shared_to_global(dk_desc, [out_row + HALF * WG_N, out_col], k_wg)
+        tma.async_copy_shared_to_global(dv_desc, [out_row + HALF * WG_N, out_col], v_wg)
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, seqlen,
-                             n_kv_heads, group, before, qk_scale, cap, scale, k_rb, k_rh, k_ch, q_rb, q_rh, q_ch, do_rb,
-                             do_rh, do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                             SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """dK and dV of one (batch, kv head, block of BLOCK_N keys): K and V loaded once, a ring of (Q, dO) tiles of the
-    kv group's q heads."""
-    bhk, n_block = _program_block(seqlen // BLOCK_N, CAUSAL, True)
+def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, part_ptr, lse_ptr, delta_ptr, seqlen,
+                             n_kv_heads, group, shares, before, qk_scale, cap, scale, k_rb, k_rh, k_ch, q_rb, q_rh,
+                             q_ch, do_rb, do_rh, do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PARTIAL: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
+    """dK and dV of one (batch, kv head, block of BLOCK_N keys, share of the kv group's q heads): K and V loaded once,
+    a ring of (Q, dO) tiles of the share's q heads. One share (the group's every head) stores dK and dV; more
+    (PARTIAL) store fp32 partial sums, share-major rows of [B * kv heads * S, HEAD_DIM], for _sum_group_shares."""
+    bhk_share, n_block = _program_block(seqlen // BLOCK_N, CAUSAL, True)
+    bhk = bhk_share // shares
+    share = bhk_share % shares
     b = bhk // n_kv_heads
     hk = bhk % n_kv_heads
-    h0 = hk * group  # the group's first q head
+    heads = group // shares
+    h0 = hk * group + share * heads  # the share's first q head
     n_tiles = seqlen // BLOCK_M
     start = n_block * BLOCK_N
     if CAUSAL:  # the first query tile that sees a key of the block
@@ -654,18 +675,47 @@ def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, 
     kv_row = b * k_rb + hk * k_rh + start
     out_row = b * dk_rb + hk * dk_rh + start
     stats_row = (b * group * n_kv_heads + h0) * seqlen
+    if CAUSAL:  # the grid's (batch, kv head, share) axis: _grid
+        n_bhk_shares = gl.num_programs(0)
+    else:
+        n_bhk_shares = gl.num_programs(1)
+    part_size = n_bhk_shares * seqlen * HEAD_DIM  # the elements of dK's partial sums; dV's follow
+    part_row = (share * (n_bhk_shares // shares) + bhk) * seqlen + start
     gl.warp_specialize([
-        (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
-                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before,
-                          qk_scale, cap, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, SOFTCAP)),
-        (_dkdv_consumer, (dk_desc, dv_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready,
-                          empty, out_row, hk * dk_ch, stats_row, seqlen, group, n_block, tile_lo, n_tiles, before,
-                          qk_scale, cap, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, SOFTCAP)),
+        (_dkdv_consumer, (dk_desc, dv_desc, part_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar,
+                          ready, empty, out_row, hk * dk_ch, part_row, part_size, stats_row, seqlen, heads, n_block,
+                          tile_lo, n_tiles, before, qk_scale, cap, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                          WINDOW, SOFTCAP, PARTIAL)),
+        (_dkdv_consumer, (dk_desc, dv_desc, part_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, fixed_bar,
+                          ready, empty, out_row, hk * dk_ch, part_row, part_size, stats_row, seqlen, heads, n_block,
+                          tile_lo, n_tiles, before, qk_scale, cap, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                          WINDOW, SOFTCAP, PARTIAL)),
         (_pair_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, fixed_bar, ready, empty,
                           kv_row, hk * k_ch, kv_row, hk * k_ch, b * q_rb + h0 * q_rh, h0 * q_ch, q_rh, q_ch,
-                          b * do_rb + h0 * do_rh, h0 * do_ch, do_rh, do_ch, group, tile_lo, n_tiles, BLOCK_M,
+                          b * do_rb + h0 * do_rh, h0 * do_ch, do_rh, do_ch, heads, tile_lo, n_tiles, BLOCK_M,
                           STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@triton.jit
+def _sum_group_shares(part_ptr, dk_ptr, dv_ptr, shares, rows, n_kv_heads, seqlen, dk_sb, dk_sh, dk_ss, dv_sb, dv_sh,
+                      dv_ss, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dK (programs (i, 0)) or dV (i, 1) of rows [i * BLOCK_R, ...) of [B * kv heads * S]: the sum of the dK/dV
+    kernel's partial sums over the kv group's shares, stored into the [B, kv heads, S, HEAD_DIM] view."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, HEAD_DIM)
+    at = r[:, None] * HEAD_DIM + d[None, :]
+    part_ptr += tl.program_id(1) * shares * rows * HEAD_DIM
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    for share in range(shares):
+        acc += tl.load(part_ptr + share * rows * HEAD_DIM + at)
+    b = r // (n_kv_heads * seqlen)
+    h = r // seqlen % n_kv_heads
+    s = r % seqlen
+    if tl.program_id(1) == 0:
+        tl.store(dk_ptr + (b * dk_sb + h * dk_sh + s * dk_ss)[:, None] + d[None, :], acc.to(dk_ptr.dtype.element_ty))
+    else:
+        tl.store(dv_ptr + (b * dv_sb + h * dv_sh + s * dv_ss)[:, None] + d[None, :], acc.to(dv_ptr.dtype.element_ty))
 
 
 def rows_2d(t: Tensor) -> tuple[Tensor, int, int, int] | None:
@@ -776,8 +826,41 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
            *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
            HAS_DLSE=dlse is not None, **meta)
     block_m, block_n, stages = DKDV_SETTING
-    launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads, S // block_n, causal), descriptor(k2, block_n),
+    sms = num_programs_for(q.device)
+    shares = group_shares(B * kv_heads, S, H // kv_heads, block_m, block_n, D, causal, before, sms)
+    rows = B * kv_heads * S
+    part = torch.empty((2, shares, rows, D), dtype=torch.float32, device=q.device) if shares > 1 else delta
+    launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads * shares, S // block_n, causal), descriptor(k2, block_n),
            descriptor(v2, block_n), descriptor(q2, block_m), descriptor(do2, block_m), descriptor(dk2, block_n // 2),
-           descriptor(dv2, block_n // 2), lse, delta, S, kv_heads, H // kv_heads, before, *scales, scale, *k_at,
-           *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, **meta)
+           descriptor(dv2, block_n // 2), part, lse, delta, S, kv_heads, H // kv_heads, shares, before, *scales, scale,
+           *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PARTIAL=shares > 1, **meta)
+    if shares > 1:
+        launch(_sum_group_shares, (cdiv(rows, SUM_ROWS), 2), part, dk, dv, shares, rows, kv_heads, S,
+               *dk.stride()[:3], *dv.stride()[:3], HEAD_DIM=D, BLOCK_R=SUM_ROWS, num_warps=4)
     return True
+
+
+@functools.cache
+def group_shares(n_bhk: int, seqlen: int, group: int, block_m: int, block_n: int, head_dim: int, causal: bool,
+                 before: int, sms: int) -> int:
+    """How many dK/dV programs share a (batch, kv head, key block)'s q heads: the divisor of ``group`` with the least
+    estimated time, a program's tiles of its heaviest program or an SM's mean, whichever is longer (the scheduler
+    starts the heaviest first), plus the partial sums' extra traffic at MATMUL_FLOPS_PER_BYTE. One (no partials)
+    unless the grid has fewer than two programs an SM: a causal mask's first key blocks then outlast the rest, and a
+    short sequence's few programs leave SMs idle."""
+    n_blocks, n_tiles = seqlen // block_n, seqlen // block_m
+    if n_bhk * n_blocks >= 2 * sms:
+        return 1
+    tiles = []  # query tiles a key block's program runs a q head
+    for n in range(n_blocks):
+        hi = min((n * block_n + block_n - 1 + before) // block_m + 1, n_tiles) if before >= 0 else n_tiles
+        tiles.append(hi - (n * block_n // block_m if causal else 0))
+    tile_flops = 8 * block_m * block_n * head_dim  # a tile's four matmuls
+    elements = n_bhk * seqlen * head_dim  # of dK, and of dV
+
+    def cost(shares):
+        busiest = max(max(tiles) * group // shares, n_bhk * group * sum(tiles) / sms)
+        partials = 16 * shares * elements if shares > 1 else 0  # fp32 dK and dV partials written and read
+        return busiest * tile_flops + partials / sms * MATMUL_FLOPS_PER_BYTE
+
+    return min((s for s in range(1, group + 1) if group % s == 0), key=cost)
