@@ -366,8 +366,9 @@ def test_hopper_forward_programs(device, monkeypatch):
 def test_hopper_backward_only_where_it_covers(device, monkeypatch):
     """Which backward calls take the Gluon kernels (their launches recorded, as on a Hopper GPU): at least
     GLUON_BWD_MIN_FLOPS, after either forward; head dim 128 full or causal, a causal window, a softcap, grouped-query
-    heads, bhsd or bshd memory, fused q/k/v slices, a gradient into the LSE; not head dim 64, a window reaching keys
-    after the query, a part tile, or a dO whose rows TMA cannot address. The others launch the portable ones."""
+    heads, bhsd or bshd memory, fused q/k/v slices, a gradient into the LSE, head dim 64 on a small grid; not head dim
+    64 on a larger one, a window reaching keys after the query, a part tile, or a dO whose rows TMA cannot address.
+    The others launch the portable ones."""
     attention_module = sys.modules["onepass.ops.attention"]
     hopper = pytest.importorskip("onepass.ops.attention_hopper")
     taken = []
@@ -402,7 +403,9 @@ def test_hopper_backward_only_where_it_covers(device, monkeypatch):
     assert route(q, k, do=t(1, 256, 4, 128).transpose(1, 2)) == {"hopper"}  # dO in another memory order
     assert route(q, k, causal=True, window=64) == route(q, k, causal=True, window=64, softcap=30.0) == {"hopper"}
     assert route(q, k, window=64) == {"portable"}
-    assert route(q[..., :64], k[..., :64]) == route(q[..., :64], k[..., :64], causal=True, window=9) == {"portable"}
+    q64, k64 = q[..., :64], k[..., :64]  # (2 kv heads x 2 key blocks: a small grid for the 4 programs of the CPU)
+    assert route(q64, k64) == route(q64, k64, causal=True, window=9) == {"hopper"}
+    assert route(t(1, 4, 1024, 64), t(1, 2, 1024, 64)) == {"portable"}  # 16 programs: not small
     assert route(q[:, :, :200], k[:, :, :200]) == {"portable"}  # a part tile
     assert route(q, k, do=t(1, 4, 256, 132)[..., :128]) == {"portable"}  # dO rows 264 bytes apart
 
@@ -478,7 +481,8 @@ def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, shares, monkeypatch)
     q, k, v = _qkv((2, 1536, 8, head_dim) if bshd else (2, 8, 1536, head_dim),
                    (2, 1536, 2, head_dim) if bshd else (2, 2, 1536, head_dim), torch.bfloat16, "cuda")
     _check(q, k, v, torch.bfloat16, use_lse=True, **kw)
-    gluon_backward = (head_dim, kw.get("causal", False)) in attention_hopper.GLUON_BWD
+    gluon_backward = ((head_dim, kw.get("causal", False)) in attention_hopper.GLUON_BWD
+                      or head_dim in attention_hopper.SMALL_GRID_BWD)  # (48 dK/dV programs: a small grid)
     assert taken == [("forward", True), ("backward", gluon_backward)]
     do, dlse = torch.randn_like(q), torch.randn(2, 8, 1536, device="cuda")
 

@@ -59,8 +59,8 @@ fp32, varlen, unaligned tensors and traced calls (kv_descriptors).
 Hopper: on a GPU of compute capability 9, 16-bit calls of head dim 64 or 128 (full, causal, or a causal window;
 softcap or not) over whole 128-row tiles run the Gluon forward of ``attention_hopper`` instead (FlashAttention-3's
 structure: a producer warp, two consumer warpgroups, each tile's q k^T issued before the previous tile's P V), which
-writes the same O and LSE (calls of at least TMA_MIN_FLOPS); at head dim 128 its backward too: dQ (and delta), then
-dK/dV, in the same structure (calls of at least GLUON_BWD_MIN_FLOPS, after either forward).
+writes the same O and LSE (calls of at least TMA_MIN_FLOPS); at head dim 128 (and 64 on small grids) its backward
+too: dQ (and delta), then dK/dV, in the same structure (calls of at least GLUON_BWD_MIN_FLOPS, after either forward).
 
 Variable length: q, k, v packed as [total, H, D] with cumulative lengths ``cu_seqlens``
 (int32, [n + 1]). The grid covers cdiv(total, BLOCK) + n blocks (an upper bound known

@@ -70,8 +70,12 @@ PERSISTENT_TILES = 16
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
 # (head dim, causal) pairs the backward runs, and its kernels' (BLOCK_M queries, BLOCK_N keys, STAGES): the fastest
 # of a sweep at every shape timed but one (attention_gluon_bwd.log). At head dim 64 they were slower than the
-# portable kernels.
+# portable kernels but on small grids (SMALL_GRID_BWD).
 GLUON_BWD = {(128, False), (128, True)}
+# Head dims whose backward runs here only where the dK/dV grid has under two programs an SM (group_shares splits it;
+# the portable kernels' grid is as short there): at 64, 1.5-2x faster there than the portable kernels, 1-7% slower
+# on larger grids (results/h200/attention_d64_gluon_bwd.log).
+SMALL_GRID_BWD = {64}
 DQ_SETTING = (128, 128, 2)
 DKDV_SETTING = (64, 128, 2)
 # A grid of few dK/dV programs splits each kv group's q heads between programs (group_shares), which store fp32
@@ -797,18 +801,19 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
     """Write dq, dk, dv and delta ([B, H, S] fp32) from the [B, H, S, D] views (q, k, v, o, do, dq, dk, dv), lse
     and dlse ([B, H, S] fp32, contiguous; dlse may be None), and return True, for a call the backward covers (as
     ``forward``, with GLUON_BWD's head dims and masks, k and v alike, dk and dv alike; ``before``, ``softcap`` as
-    there). Else False, nothing written.
+    there; SMALL_GRID_BWD's head dims where the dK/dV grid has under two programs an SM). Else False, nothing written.
     Two kernels: dQ, which also stores delta = rowsum(dO * O) - dLSE, then dK/dV, which reads it."""
     q, k, v, o, do, dq, dk, dv = views
     B, H, S, D = q.shape
-    if (D, causal) not in GLUON_BWD or S % BLOCK or k.shape[2] != S or not lse.is_contiguous() or before >= 0 \
-            and not causal:
+    kv_heads, sms = k.shape[1], num_programs_for(q.device)
+    few_programs = B * kv_heads * (S // DKDV_SETTING[1]) < 2 * sms
+    if (D, causal) not in GLUON_BWD and not (D in SMALL_GRID_BWD and few_programs) or S % BLOCK or k.shape[2] != S \
+            or not lse.is_contiguous() or before >= 0 and not causal:
         return False
     at = [rows_2d(t) for t in (q, k, v, do, dq, dk, dv)]
     if None in at or at[1][1:] != at[2][1:] or at[5][1:] != at[6][1:] or o.stride(-1) != 1:
         return False
     (q2, *q_at), (k2, *k_at), (v2, _, _, _), (do2, *do_at), (dq2, *dq_at), (dk2, *dk_at), (dv2, _, _, _) = at
-    kv_heads = k.shape[1]
     meta = dict(HEAD_DIM=D, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap), CONSUMER_REGS=CONSUMER_REGS,
                 num_warps=4)
     scales = _score_scales(scale, softcap)
@@ -826,7 +831,6 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
            *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
            HAS_DLSE=dlse is not None, **meta)
     block_m, block_n, stages = DKDV_SETTING
-    sms = num_programs_for(q.device)
     shares = group_shares(B * kv_heads, S, H // kv_heads, block_m, block_n, D, causal, before, sms)
     rows = B * kv_heads * S
     part = torch.empty((2, shares, rows, D), dtype=torch.float32, device=q.device) if shares > 1 else delta
