@@ -429,6 +429,21 @@ def test_group_shares_rule():
     assert shares(1, 2048, 32) in (8, 16, 32) and shares(2, 1024, 6) in (2, 3, 6)
 
 
+def test_sum_group_shares(device):
+    """The dK/dV kernel's fp32 partial sums (dK's shares, then dV's) added into dk and dv views of either memory
+    order: bhsd, and bshd (a [B, S, H, D] tensor's transpose), in their dtype."""
+    hopper = pytest.importorskip("onepass.ops.attention_hopper")
+    B, Hk, S, D, shares = 2, 3, 32, 16, 3
+    part = torch.randn(2, shares, B * Hk * S, D, device=device)
+    dk = torch.empty(B, Hk, S, D, dtype=torch.float16, device=device)
+    dv = torch.empty(B, S, Hk, D, dtype=torch.float16, device=device).transpose(1, 2)
+    hopper.launch(hopper._sum_group_shares, (B * Hk * S // 16, 2), part, dk, dv, shares, B * Hk * S, Hk, S,
+                  *dk.stride()[:3], *dv.stride()[:3], HEAD_DIM=D, BLOCK_R=16)
+    want = part.sum(1).view(2, B, Hk, S, D)
+    assert_close(dk, want[0].half(), torch.float16, "dk")
+    assert_close(dv, want[1].half(), torch.float16, "dv")
+
+
 def test_bfloat16_small(device):
     """bfloat16 at small sizes: the kernels on a GPU; in Triton's interpreter, whose tl.dot on
     bfloat16 tiles returns garbage (values of 1e8), the reference."""
