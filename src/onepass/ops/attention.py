@@ -148,8 +148,9 @@ DQ_TMA_ROWS = {64, 128}
 # the smallest shape timed (attention_kv_tma.log's d64; the numbers in CHANGELOG.md).
 TMA_MIN_FLOPS = 1e11
 # The Gluon backward (attention_hopper) runs 13-25% faster than the portable one at head dim 128 down to the smallest
-# calls timed, saving more GPU time than its 7 descriptors cost on the host (~25 us on a 2-core CPU) from about 4e9
-# forward FLOPs (results/h200/attention_gluon_threshold.log), far below the forward's bound.
+# calls timed, saving more GPU time than its 9 descriptors cost on the host (~30 us on a 2-core CPU) from about 4e9
+# forward FLOPs (results/h200/attention_gluon_threshold.log), far below the forward's bound. (A call that is
+# host-bound in isolation pays its ~40-70 us of extra host time: results/host_attention_gluon_bwd.log.)
 GLUON_BWD_MIN_FLOPS = 4e9
 # Triton releases whose Gluon API (experimental, renamed between releases) the Hopper forward is written for: 3.6 run
 # on a GPU (results/h200/attention_gluon_fwd.log), 3.7 compiled for sm_90 by tests/ops/_compile_sm90.py on a CPU, not

@@ -802,7 +802,8 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
     and dlse ([B, H, S] fp32, contiguous; dlse may be None), and return True, for a call the backward covers (as
     ``forward``, with GLUON_BWD's head dims and masks, k and v alike, dk and dv alike; ``before``, ``softcap`` as
     there; SMALL_GRID_BWD's head dims where the dK/dV grid has under two programs an SM). Else False, nothing written.
-    Two kernels: dQ, which also stores delta = rowsum(dO * O) - dLSE, then dK/dV, which reads it."""
+    Two kernels: dQ, which also stores delta = rowsum(dO * O) - dLSE, then dK/dV, which reads it (and a third that
+    adds dK/dV's partial sums where group_shares splits its kv groups)."""
     q, k, v, o, do, dq, dk, dv = views
     B, H, S, D = q.shape
     kv_heads, sms = k.shape[1], num_programs_for(q.device)
