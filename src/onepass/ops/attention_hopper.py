@@ -807,8 +807,8 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
     q, k, v, o, do, dq, dk, dv = views
     B, H, S, D = q.shape
     kv_heads, sms = k.shape[1], num_programs_for(q.device)
-    few_programs = B * kv_heads * (S // DKDV_SETTING[1]) < 2 * sms
-    if (D, causal) not in GLUON_BWD and not (D in SMALL_GRID_BWD and few_programs) or S % BLOCK or k.shape[2] != S \
+    small_grid = small_dkdv_grid(B * kv_heads, S, sms)
+    if (D, causal) not in GLUON_BWD and not (D in SMALL_GRID_BWD and small_grid) or S % BLOCK or k.shape[2] != S \
             or not lse.is_contiguous() or before >= 0 and not causal:
         return False
     at = [rows_2d(t) for t in (q, k, v, do, dq, dk, dv)]
@@ -845,6 +845,11 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
     return True
 
 
+def small_dkdv_grid(n_bhk: int, seqlen: int, sms: int) -> bool:
+    """Whether the dK/dV kernel's grid, one program a (batch, kv head, key block), has under two programs an SM."""
+    return n_bhk * (seqlen // DKDV_SETTING[1]) < 2 * sms
+
+
 @functools.cache
 def group_shares(n_bhk: int, seqlen: int, group: int, block_m: int, block_n: int, head_dim: int, causal: bool,
                  before: int, sms: int) -> int:
@@ -853,9 +858,9 @@ def group_shares(n_bhk: int, seqlen: int, group: int, block_m: int, block_n: int
     starts the heaviest first), plus the partial sums' extra traffic at MATMUL_FLOPS_PER_BYTE. One (no partials)
     unless the grid has fewer than two programs an SM: a causal mask's first key blocks then outlast the rest, and a
     short sequence's few programs leave SMs idle."""
-    n_blocks, n_tiles = seqlen // block_n, seqlen // block_m
-    if n_bhk * n_blocks >= 2 * sms:
+    if not small_dkdv_grid(n_bhk, seqlen, sms):
         return 1
+    n_blocks, n_tiles = seqlen // block_n, seqlen // block_m
     tiles = []  # query tiles a key block's program runs a q head
     for n in range(n_blocks):
         hi = min((n * block_n + block_n - 1 + before) // block_m + 1, n_tiles) if before >= 0 else n_tiles
