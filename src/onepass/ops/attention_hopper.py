@@ -722,36 +722,44 @@ def _sum_group_shares(part_ptr, dk_ptr, dv_ptr, shares, rows, n_kv_heads, seqlen
         tl.store(dv_ptr + (b * dv_sb + h * dv_sh + s * dv_ss)[:, None] + d[None, :], acc.to(dv_ptr.dtype.element_ty))
 
 
-def rows_2d(t: Tensor) -> tuple[Tensor, int, int, int] | None:
+def rows_2d(t: Tensor) -> tuple[tuple, int, int, int] | None:
     """``t`` (a [B, H, S, D] view, unit stride along D) as the 2-D tensor TMA reads, with where (b, h, s) lies in
-    it: (view, rb, rh, ch), row b * rb + h * rh + s and column h * ch. Rows of (b, h, s) evenly spaced ([B, H, S, D]
-    memory) make [B*H*S, D]; rows of (b, s) holding every head ([B, S, H, D] memory: a "bshd" call, the transposed
-    projections a transformer layer passes, a slice of a fused q/k/v projection) make [B*S, ...]. None for other
-    strides, and where TMA cannot address the rows (16-byte aligned base and row stride)."""
+    it: ((t, [rows, columns], row stride), rb, rh, ch), row b * rb + h * rh + s and column h * ch. Rows of (b, h, s)
+    evenly spaced ([B, H, S, D] memory) make [B*H*S, D]; rows of (b, s) holding every head ([B, S, H, D] memory: a
+    "bshd" call, the transposed projections a transformer layer passes, a slice of a fused q/k/v projection) make
+    [B*S, ...]. None for other strides, and where TMA cannot address the rows (16-byte aligned base and row stride)."""
     B, H, S, D = t.shape
     sb, sh, ss, sd = t.stride()
     if sd != 1 or t.data_ptr() % 16 or ss * t.element_size() % 16:
         return None
     if sh == S * ss and ss >= D and (B == 1 or sb == H * sh):
-        return t.as_strided((B * H * S, D), (ss, 1)), H * S, S, 0
+        return (t, [B * H * S, D], ss), H * S, S, 0
     if sh >= D and (H - 1) * sh + D <= ss and (B == 1 or sb == S * ss):
-        return t.as_strided((B * S, (H - 1) * sh + D), (ss, 1)), S, 0, sh
+        return (t, [B * S, (H - 1) * sh + D], ss), S, 0, sh
     return None
 
 
-def _descriptor(t2: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
-    """A host tensor descriptor of ``t2`` (a ``rows_2d`` view) for [rows, head_dim] tiles."""
-    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, head_dim],
-                            _tile_layout(rows, head_dim, t2.dtype))
+def _descriptor(rows_2d_tensor: tuple, rows: int, head_dim: int) -> TensorDescriptor:
+    """A host tensor descriptor of a ``rows_2d`` 2-D tensor for [rows, head_dim] tiles: a copy of one built by
+    Triton's constructor, with this tensor's base, shape and row stride put in. The constructor checks every field
+    each call (~8 us a descriptor on the H200's host, results/h200/host_launch_split.log); rows_2d checked what
+    differs between calls (alignment, unit stride)."""
+    base, shape, row_stride = rows_2d_tensor
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(_checked_descriptor(rows, head_dim, base.dtype).__dict__)
+    descriptor.base, descriptor.shape, descriptor.strides = base, shape, [row_stride, 1]
+    return descriptor
 
 
 @functools.cache
-def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of [rows, head_dim] tiles of ``dtype``, computed once: Triton's get_default_for
-    was most of a descriptor's host time, and a fwd+bwd step builds 15 descriptors
-    (results/host_attention_descriptors.log)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
-                                                else gl.float16)
+def _checked_descriptor(rows: int, head_dim: int, dtype: torch.dtype) -> TensorDescriptor:
+    """A descriptor of [rows, head_dim] tiles of ``dtype`` from Triton's constructor (over a placeholder tensor),
+    whose fields _descriptor copies; built once: its shared-memory layout (Triton's get_default_for) was most of a
+    descriptor's host time (results/host_attention_descriptors.log)."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
+                                                  else gl.float16)
+    return TensorDescriptor(torch.empty(rows, head_dim, dtype=dtype), [rows, head_dim], [head_dim, 1],
+                            [rows, head_dim], layout)
 
 
 def _score_scales(scale: float, softcap: float) -> tuple[float, float]:
@@ -821,9 +829,9 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
     made = {}
 
     def descriptor(t2, rows):  # one a (tensor, tile rows): the two kernels' K and V tiles match at the kept settings
-        if (id(t2), rows) not in made:
-            made[id(t2), rows] = _descriptor(t2, rows, D)
-        return made[id(t2), rows]
+        if (id(t2[0]), rows) not in made:
+            made[id(t2[0]), rows] = _descriptor(t2, rows, D)
+        return made[id(t2[0]), rows]
 
     block_m, block_n, stages = DQ_SETTING
     launch(_attn_dq_hopper_kernel, _grid(B * H, S // block_m, causal), descriptor(q2, block_m),
