@@ -741,9 +741,9 @@ def rows_2d(t: Tensor) -> tuple[tuple, int, int, int] | None:
 
 def _descriptor(rows_2d_tensor: tuple, rows: int, head_dim: int) -> TensorDescriptor:
     """A host tensor descriptor of a ``rows_2d`` 2-D tensor for [rows, head_dim] tiles: a copy of one built by
-    Triton's constructor, with this tensor's base, shape and row stride put in. The constructor checks every field
-    each call (~8 us a descriptor on the H200's host, results/h200/host_launch_split.log); rows_2d checked what
-    differs between calls (alignment, unit stride)."""
+    Triton's constructor, with this tensor's base, shape and row stride put in: the constructor re-checks every
+    field each call, a host cost each launch pays (results/h200/host_attention_launch_split.log), where only what
+    rows_2d already checked (alignment, unit stride) differs between calls."""
     base, shape, row_stride = rows_2d_tensor
     descriptor = object.__new__(TensorDescriptor)
     descriptor.__dict__.update(_checked_descriptor(rows, head_dim, base.dtype).__dict__)
