@@ -517,6 +517,39 @@ def test_gpu_hopper_kernels(head_dim, kw, persistent_tiles, shares, monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, kw, shares", [(128, dict(causal=True), 1), (128, dict(causal=True), 2),
+                                                   (64, dict(causal=True, window=400), 2)])
+def test_gpu_hopper_causal_chunks(head_dim, kw, shares, monkeypatch):
+    """The Gluon kernels' causal programs in chunks of 3 heads (the last one shorter: 3 of 16 q heads, of 4 or 8
+    dK/dV (kv head, share) rows) give what programs over every head give, bit for bit: each program's arithmetic is
+    the same, only its place in the grid moves."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on compute capability 9 only")
+    import onepass.ops.attention_hopper as attention_hopper
+
+    attention_module = sys.modules["onepass.ops.attention"]
+    monkeypatch.setattr(attention_module, "TMA_MIN_FLOPS", 0)
+    monkeypatch.setattr(attention_module, "GLUON_BWD_MIN_FLOPS", 0)
+    monkeypatch.setattr(attention_hopper, "group_shares", lambda *args: shares)
+    q, k, v = _qkv((2, 8, 1536, head_dim), (2, 2, 1536, head_dim), torch.bfloat16, "cuda")
+    do = torch.randn_like(q)
+
+    asked = []
+
+    def outputs(chunk):
+        monkeypatch.setattr(attention_hopper, "chunk_heads", lambda heads, *args: asked.append(heads) or chunk(heads))
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = ops.attention(*leaves, **kw)
+        o.backward(do)
+        return o, *(t.grad for t in leaves)
+
+    whole = outputs(lambda heads: heads)
+    assert asked == [16, 16, 4 * shares]  # the forward's, dQ's and dK/dV's programs: all three Gluon kernels ran
+    for name, a, b in zip(("output", "dq", "dk", "dv"), outputs(lambda heads: 3), whole):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_varlen_and_cross_lengths():
     lens = [1, 1000, 129, 2048, 77]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")

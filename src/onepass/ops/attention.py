@@ -556,6 +556,15 @@ def precision_for(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def chunk_heads(heads: int, n_blocks: int, reread_per_head: int, uneven: bool, sms: int) -> int:
+    """The heads of a chunk of programs (program order, in the module's docstring): those whose re-read tiles fit
+    in L2_CHUNK_BYTES together, and where the blocks' work is ``uneven`` (causal) at least CHUNK_WAVES programs an
+    SM."""
+    in_l2 = L2_CHUNK_BYTES // max(reread_per_head, 1)
+    waves = cdiv(CHUNK_WAVES * sms, n_blocks) if uneven else 1
+    return min(heads, max(in_l2, waves))
+
+
 class _Geometry:
     """The [B, H, S, D] strided views the kernels index, and the grid facts of one call."""
 
@@ -599,10 +608,8 @@ class _Geometry:
         tiles); ``uneven``: the blocks' work differs (causal), so chunks take CHUNK_WAVES."""
         heads = heads if self.varlen else self.batch * heads
         n_blocks = cdiv(self.total, block) + self.n_seqs if self.varlen else cdiv(seqlen, block)
-        in_l2 = L2_CHUNK_BYTES // max(reread_per_head, 1)
-        waves = cdiv(CHUNK_WAVES * self.sm_count, n_blocks) if uneven else 1
-        chunk_heads = min(heads, max(in_l2, waves))
-        return (heads * n_blocks,), (self.n_seqs, self.total, n_blocks, chunk_heads)
+        return (heads * n_blocks,), (self.n_seqs, self.total, n_blocks,
+                                     chunk_heads(heads, n_blocks, reread_per_head, uneven, self.sm_count))
 
     def flops(self, before: int, after: int) -> float:
         """The forward's FLOPs counted over the keys a query sees: a window's width, half under a causal mask."""

@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from onepass.ops.attention import chunk_heads
 from onepass.ops.dispatch import cdiv, launch, num_programs_for
 
 # (head dim, causal) pairs this forward runs: where it beat the portable kernel or tied (attention_gluon_fwd.log; at
@@ -101,12 +102,26 @@ def _operand_layout(acc_layout):
 
 
 @gluon.jit
-def _work_item(w, n_bh, n_blocks, CAUSAL: gl.constexpr):
-    """Work item w's (batch * heads index, query block): causal, every head's last (heaviest) block first, then the
-    blocks before; full, one head's blocks in a row (its K and V stay in L2)."""
+def _causal_item(w, n_bh, n_blocks, chunk_heads, HEAVY_FIRST_BLOCK: gl.constexpr):
+    """Item w's (batch * heads index, block) under a causal mask, in the portable kernels' order (attention._locate):
+    chunks of ``chunk_heads`` heads (attention.chunk_heads), and in a chunk block by block across its heads, each
+    head's heaviest block (the last query block; for a key block, the first) first. The programs that run together
+    then share the tiles of a chunk's heads in L2, not one head's each."""
+    first = w // (chunk_heads * n_blocks) * chunk_heads
+    heads = gl.minimum(chunk_heads, n_bh - first)
+    i = w - first * n_blocks
+    block = i // heads
+    if not HEAVY_FIRST_BLOCK:
+        block = n_blocks - 1 - block
+    return first + i % heads, block
+
+
+@gluon.jit
+def _work_item(w, n_bh, n_blocks, chunk_heads, CAUSAL: gl.constexpr):
+    """Work item w's (batch * heads index, query block): causal, _causal_item; full, one head's blocks in a row (its
+    K and V stay in L2)."""
     if CAUSAL:
-        bh = w % n_bh
-        m_block = n_blocks - 1 - w // n_bh
+        bh, m_block = _causal_item(w, n_bh, n_blocks, chunk_heads, False)
     else:
         bh = w // n_blocks
         m_block = w % n_blocks
@@ -115,7 +130,8 @@ def _work_item(w, n_bh, n_blocks, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-              n_bh, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK: gl.constexpr,
+              n_bh, chunk_heads, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch,
+              BLOCK: gl.constexpr,
               STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """This program's items in turn: each one's Q tile, into a buffer its consumers have stored the O of an earlier
     item from, and its K/V tiles into the ring, which runs on across items (the next item's first tiles load while
@@ -125,7 +141,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     t = 0  # the ring's position: K/V tiles loaded so far
     n = 0  # items so far
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        bh, m_block = _work_item(w, n_bh, n_blocks, CAUSAL)
+        bh, m_block = _work_item(w, n_bh, n_blocks, chunk_heads, CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
         hk = h // group
@@ -253,8 +269,9 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh,
-              n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              Q_BUFFERS: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Query rows [HALF * BLOCK_M / 2, ...) of each of this program's items: the online softmax over the item's key
     tiles, then O and LSE."""
@@ -269,7 +286,7 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
     t = 0  # the ring's position of the item's first tile
     n = 0  # items so far
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        bh, m_block = _work_item(w, n_bh, n_blocks, CAUSAL)
+        bh, m_block = _work_item(w, n_bh, n_blocks, chunk_heads, CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
         first = m_block * BLOCK_M + HALF * WG_M
@@ -339,8 +356,9 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, before, qk_scale, cap,
-                            n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch, HEAD_DIM: gl.constexpr,
-                            BLOCK: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                            n_items, chunk_heads, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch,
+                            HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                            Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                             WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Each program takes work items (batch, head, block of BLOCK queries) pid, pid + programs, ... (one a program, or
     persistent: PERSISTENT_TILES).
@@ -364,29 +382,28 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_h
         mbarrier.init(kv_empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK, BLOCK, STAGES,
-                     Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
+                     n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK,
+                     BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK, BLOCK, STAGES,
-                     Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
+                     n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK,
+                     BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     n_items, n_bh, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, BLOCK,
+                     n_items, n_bh, chunk_heads, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch,
+                     BLOCK,
                      STAGES, Q_BUFFERS, CAUSAL, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
-def _program_block(n_blocks, CAUSAL: gl.constexpr, HEAVY_FIRST_BLOCK: gl.constexpr):
-    """(batch * heads index, block) of this program. Causal: grid (heads, blocks), every head's heaviest block
-    (the last query block; for a key block, the first) before the lighter ones; else grid (blocks, heads)."""
+def _program_block(n_blocks, chunk_heads, CAUSAL: gl.constexpr, HEAVY_FIRST_BLOCK: gl.constexpr):
+    """(batch * heads index, block) of this program. Causal: grid (heads, blocks) read as a line, x first, in
+    _causal_item's order; else grid (blocks, heads), one head's blocks in a row."""
     if CAUSAL:
-        bh = gl.program_id(0)
-        block = gl.program_id(1)
-        if not HEAVY_FIRST_BLOCK:
-            block = n_blocks - 1 - block
+        bh, block = _causal_item(gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.num_programs(0),
+                                 n_blocks, chunk_heads, HEAVY_FIRST_BLOCK)
     else:
-        block = gl.program_id(0)
         bh = gl.program_id(1)
+        block = gl.program_id(0)
     return bh, block
 
 
@@ -517,13 +534,13 @@ def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, 
 
 @gluon.jit
 def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, seqlen,
-                           n_heads, group, before, qk_scale, cap, scale, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb,
-                           k_rh,
-                           k_ch, dq_rb, dq_rh, dq_ch, o_sb, o_sh, o_ss, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           chunk_heads, n_heads, group, before, qk_scale, cap, scale, q_rb, q_rh, q_ch, do_rb, do_rh,
+                           do_ch, k_rb, k_rh, k_ch, dq_rb, dq_rh, dq_ch, o_sb, o_sh, o_ss, HEAD_DIM: gl.constexpr,
+                           BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                            SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dQ (and delta) of one (batch, head, block of BLOCK_M queries): Q and dO loaded once, a ring of K/V tiles."""
-    bh, m_block = _program_block(seqlen // BLOCK_M, CAUSAL, False)
+    bh, m_block = _program_block(seqlen // BLOCK_M, chunk_heads, CAUSAL, False)
     b = bh // n_heads
     h = bh % n_heads
     hk = h // group
@@ -651,15 +668,15 @@ def _dkdv_consumer(dk_desc, dv_desc, part_ptr, lse_ptr, delta_ptr, k_smem, v_sme
 
 @gluon.jit
 def _attn_dkdv_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, part_ptr, lse_ptr, delta_ptr, seqlen,
-                             n_kv_heads, group, shares, before, qk_scale, cap, scale, k_rb, k_rh, k_ch, q_rb, q_rh,
-                             q_ch, do_rb, do_rh, do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr,
+                             chunk_heads, n_kv_heads, group, shares, before, qk_scale, cap, scale, k_rb, k_rh, k_ch,
+                             q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, dk_rb, dk_rh, dk_ch, HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PARTIAL: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr):
     """dK and dV of one (batch, kv head, block of BLOCK_N keys, share of the kv group's q heads): K and V loaded once,
     a ring of (Q, dO) tiles of the share's q heads. One share (the group's every head) stores dK and dV; more
     (PARTIAL) store fp32 partial sums, share-major rows of [B * kv heads * S, HEAD_DIM], for _sum_group_shares."""
-    bhk_share, n_block = _program_block(seqlen // BLOCK_N, CAUSAL, True)
+    bhk_share, n_block = _program_block(seqlen // BLOCK_N, chunk_heads, CAUSAL, True)
     bhk = bhk_share // shares
     share = bhk_share % shares
     b = bhk // n_kv_heads
@@ -796,11 +813,13 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
         mean_tiles = min(mean_tiles, before // BLOCK + 2)
     stages, q_buffers = FWD_BUFFERS[D]
     persistent = q_buffers == 2 or mean_tiles <= PERSISTENT_TILES
-    programs = min(n_items, num_programs_for(q.device)) if persistent else n_items
-    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, H // k.shape[1], before,
-           *_score_scales(scale, softcap), n_items, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK, STAGES=stages,
-           Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap), CONSUMER_REGS=CONSUMER_REGS,
-           num_warps=4)
+    sms, group = num_programs_for(q.device), H // k.shape[1]
+    programs = min(n_items, sms) if persistent else n_items
+    chunk = chunk_heads(B * H, S // BLOCK, 2 * S * D * k.element_size() // group, causal, sms)  # a q head's K, V share
+    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, group, before,
+           *_score_scales(scale, softcap), n_items, chunk, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK,
+           STAGES=stages, Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap),
+           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return True
 
 
@@ -834,19 +853,23 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
         return made[id(t2[0]), rows]
 
     block_m, block_n, stages = DQ_SETTING
+    group, head_bytes = H // kv_heads, 2 * S * D * q.element_size()  # a head's K and V, or Q and dO
     launch(_attn_dq_hopper_kernel, _grid(B * H, S // block_m, causal), descriptor(q2, block_m),
            descriptor(do2, block_m), descriptor(k2, block_n), descriptor(v2, block_n), descriptor(dq2, block_m // 2),
-           o, lse, lse if dlse is None else dlse, delta, S, H, H // kv_heads, before, *scales, scale, *q_at, *do_at,
-           *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-           HAS_DLSE=dlse is not None, **meta)
+           o, lse, lse if dlse is None else dlse, delta, S, chunk_heads(B * H, S // block_m, head_bytes // group,
+                                                                        causal, sms),
+           H, group, before, *scales, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
+           BLOCK_N=block_n, STAGES=stages, HAS_DLSE=dlse is not None, **meta)
     block_m, block_n, stages = DKDV_SETTING
     shares = group_shares(B * kv_heads, S, H // kv_heads, block_m, block_n, D, causal, before, sms)
     rows = B * kv_heads * S
+    dkdv_chunk = chunk_heads(B * kv_heads * shares, S // block_n, head_bytes * group // shares, causal, sms)
     part = torch.empty((2, shares, rows, D), dtype=torch.float32, device=q.device) if shares > 1 else delta
     launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads * shares, S // block_n, causal), descriptor(k2, block_n),
            descriptor(v2, block_n), descriptor(q2, block_m), descriptor(do2, block_m), descriptor(dk2, block_n // 2),
-           descriptor(dv2, block_n // 2), part, lse, delta, S, kv_heads, H // kv_heads, shares, before, *scales, scale,
-           *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PARTIAL=shares > 1, **meta)
+           descriptor(dv2, block_n // 2), part, lse, delta, S, dkdv_chunk, kv_heads,
+           group, shares, before, *scales, scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n,
+           STAGES=stages, PARTIAL=shares > 1, **meta)
     if shares > 1:
         launch(_sum_group_shares, (cdiv(rows, SUM_ROWS), 2), part, dk, dv, shares, rows, kv_heads, S,
                *dk.stride()[:3], *dv.stride()[:3], HEAD_DIM=D, BLOCK_R=SUM_ROWS, num_warps=4)
