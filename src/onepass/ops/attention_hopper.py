@@ -129,18 +129,21 @@ def _work_item(w, n_bh, n_blocks, chunk_heads, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-              n_bh, chunk_heads, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch,
-              BLOCK: gl.constexpr,
-              STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
-    """This program's items in turn: each one's Q tile, into a buffer its consumers have stored the O of an earlier
-    item from, and its K/V tiles into the ring, which runs on across items (the next item's first tiles load while
-    the consumers finish the last). With one Q buffer, Q is loaded after the item's first STAGES K/V tiles: the
-    consumers free it only once the previous item's O is stored."""
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready,
+              kv_empty, next_item, n_items, n_bh, chunk_heads, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb,
+              k_rh, k_ch, BLOCK: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, PERSISTENT: gl.constexpr):
+    """This program's items in turn (its first the program's index; persistent, each next one taken from the
+    ``next_item`` counter as the last one's tiles are issued, so programs that drew light items take more): each
+    one's index and Q tile, into a buffer its consumers have stored the O of an earlier item from, and its K/V tiles
+    into the ring, which runs on across items (the next item's first tiles load while the consumers finish the
+    last). With one Q buffer, Q is loaded after the item's first STAGES K/V tiles: the consumers free it only once
+    the previous item's O is stored. Then an index past the items, which ends the consumers' loops."""
     n_blocks = seqlen // BLOCK
     t = 0  # the ring's position: K/V tiles loaded so far
     n = 0  # items so far
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    w = gl.program_id(0)
+    while w < n_items:
         bh, m_block = _work_item(w, n_bh, n_blocks, chunk_heads, CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
@@ -156,8 +159,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             q_at = lo
         for j in range(lo, n_tiles):
             if j == q_at:
-                _load_q(q_desc, q_smem, q_ready, q_empty, n, b * q_rb + h * q_rh + m_block * BLOCK, h * q_ch,
-                        Q_BUFFERS)
+                _load_q(q_desc, q_smem, item_smem, q_ready, q_empty, n, w, b * q_rb + h * q_rh + m_block * BLOCK,
+                        h * q_ch, Q_BUFFERS)
             stage = t % STAGES
             # the stage's previous tile (t - STAGES) released by both consumers
             mbarrier.wait(kv_empty.index(stage), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
@@ -168,17 +171,41 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             tma.async_copy_global_to_shared(v_desc, [row, hk * k_ch], v_ready.index(stage), v_smem.index(stage))
             t += 1
         if q_at == n_tiles:
-            _load_q(q_desc, q_smem, q_ready, q_empty, n, b * q_rb + h * q_rh + m_block * BLOCK, h * q_ch, Q_BUFFERS)
+            _load_q(q_desc, q_smem, item_smem, q_ready, q_empty, n, w, b * q_rb + h * q_rh + m_block * BLOCK,
+                    h * q_ch, Q_BUFFERS)
         n += 1
+        if PERSISTENT:
+            w = gl.num_programs(0) + gl.atomic_add(next_item, 1, sem="relaxed")
+        else:
+            w += gl.num_programs(0)
+    _put_item(item_smem, q_empty, n, w, Q_BUFFERS)
+    mbarrier.arrive(q_ready.index(n % Q_BUFFERS))
 
 
 @gluon.jit
-def _load_q(q_desc, q_smem, q_ready, q_empty, n, row, col, Q_BUFFERS: gl.constexpr):
-    """Item n's Q tile, once its buffer's previous item (n - Q_BUFFERS) has had its O stored from it."""
+def _put_item(item_smem, q_empty, n, w, Q_BUFFERS: gl.constexpr):
+    """Item n's index w into its Q buffer's slot, once the buffer's previous item (n - Q_BUFFERS) has had its O
+    stored (its consumers read the slot at that item's start)."""
     buf = n % Q_BUFFERS
     mbarrier.wait(q_empty.index(buf), ((n // Q_BUFFERS) - 1) & 1, pred=n >= Q_BUFFERS)
+    item_smem.index(buf).store(gl.full([1], w, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+
+
+@gluon.jit
+def _load_q(q_desc, q_smem, item_smem, q_ready, q_empty, n, w, row, col, Q_BUFFERS: gl.constexpr):
+    """Item n's index w and Q tile (_put_item), seen by the consumers together on the buffer's q_ready."""
+    _put_item(item_smem, q_empty, n, w, Q_BUFFERS)
+    buf = n % Q_BUFFERS
     mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(buf), q_smem.index(buf))
+
+
+@gluon.jit
+def _take_item(item_smem, q_ready, n, Q_BUFFERS: gl.constexpr):
+    """A consumer's item n: its index, once its Q tile is in (or an index past the items, the end)."""
+    buf = n % Q_BUFFERS
+    mbarrier.wait(q_ready.index(buf), (n // Q_BUFFERS) & 1)
+    return gl.max(item_smem.index(buf).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
 
 
 @gluon.jit
@@ -268,8 +295,8 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh,
-              chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr,
+def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              n_items, n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               Q_BUFFERS: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
@@ -285,7 +312,8 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
     n_blocks = seqlen // BLOCK_M
     t = 0  # the ring's position of the item's first tile
     n = 0  # items so far
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    w = _take_item(item_smem, q_ready, 0, Q_BUFFERS)
+    while w < n_items:
         bh, m_block = _work_item(w, n_bh, n_blocks, chunk_heads, CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
@@ -306,7 +334,6 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
         l_i = gl.zeros([WG_M], gl.float32, layout=row_layout)
         o = gl.zeros([WG_M, HEAD_DIM], gl.float32, layout=o_layout)
 
-        mbarrier.wait(q_ready.index(buf), (n // Q_BUFFERS) & 1)
         mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
         s = warpgroup_mma(my_q, k_smem.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
@@ -352,22 +379,25 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
         mbarrier.arrive(q_empty.index(buf))
         t += n_seen
         n += 1
+        w = _take_item(item_smem, q_ready, n, Q_BUFFERS)
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_heads, group, before, qk_scale, cap,
-                            n_items, chunk_heads, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, next_item, seqlen, n_heads, group, before,
+                            qk_scale, cap, n_items, chunk_heads, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, o_rb, o_rh, o_ch,
                             HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                            Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                            WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Each program takes work items (batch, head, block of BLOCK queries) pid, pid + programs, ... (one a program, or
-    persistent: PERSISTENT_TILES).
+                            Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                            SOFTCAP: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Each program takes work items (batch, head, block of BLOCK queries): one, or PERSISTENT (PERSISTENT_TILES),
+    its index's and then each one the ``next_item`` counter (zero at the launch) hands out, past the programs'
+    first.
     A tile of (b, h, rows s...) sits at row b * rb + h * rh + s, column h * ch of its tensor's 2-D view (rows_2d)."""
     dtype: gl.constexpr = q_desc.dtype
     n_bh = n_items // (seqlen // BLOCK)
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS, BLOCK, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    item_smem = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -381,16 +411,17 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, n_h
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
     gl.warp_specialize([
-        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 0, HEAD_DIM, BLOCK,
+        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready,
+                     kv_empty, n_items, n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch,
+                     0, HEAD_DIM, BLOCK,
                      BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
-        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, n_items,
-                     n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, 1, HEAD_DIM, BLOCK,
+        (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready,
+                     kv_empty, n_items, n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch,
+                     1, HEAD_DIM, BLOCK,
                      BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     n_items, n_bh, chunk_heads, n_heads, group, seqlen, before, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch,
-                     BLOCK,
-                     STAGES, Q_BUFFERS, CAUSAL, WINDOW)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready,
+                     kv_empty, next_item, n_items, n_bh, chunk_heads, n_heads, group, seqlen, before, q_rb, q_rh, q_ch,
+                     k_rb, k_rh, k_ch, BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -816,10 +847,11 @@ def forward(views: tuple[Tensor, ...], o: Tensor, lse: Tensor, scale: float, cau
     sms, group = num_programs_for(q.device), H // k.shape[1]
     programs = min(n_items, sms) if persistent else n_items
     chunk = chunk_heads(B * H, S // BLOCK, 2 * S * D * k.element_size() // group, causal, sms)  # a q head's K, V share
-    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, S, H, group, before,
+    next_item = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else lse  # (unread: a placeholder)
+    launch(_attn_fwd_hopper_kernel, (programs, ), *descriptors, lse, next_item, S, H, group, before,
            *_score_scales(scale, softcap), n_items, chunk, *q_at, *k_at, *o_at, HEAD_DIM=D, BLOCK=BLOCK,
            STAGES=stages, Q_BUFFERS=q_buffers, CAUSAL=causal, WINDOW=before >= 0, SOFTCAP=bool(softcap),
-           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+           PERSISTENT=persistent, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return True
 
 
