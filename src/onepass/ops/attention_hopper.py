@@ -65,9 +65,10 @@ BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 FWD_BUFFERS = {64: (3, 2), 128: (3, 1)}
 # The forward's programs loop over work items, one program an SM (persistent), where two Q buffers fit or an item's
 # mean key tiles are at most PERSISTENT_TILES: an item's first loads then overlap the last one's epilogue, which short
-# items pay for most; longer ones with one Q buffer ran faster one item a program, the hardware's scheduler balancing
-# uneven causal items better than a fixed order (results/h200/attention_gluon_fwd.log, run 5).
-PERSISTENT_TILES = 16
+# items pay for most. Longer ones with one Q buffer run faster one item a program (S 8192 causal and up: level or
+# slower persistent, results/h200/attention_fwd_persistent.log); S 4096 gained 1-12% persistent once items came from
+# a counter (before, a fixed order balanced uneven causal items worse than the hardware's scheduler).
+PERSISTENT_TILES = 32
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
 # (head dim, causal) pairs the backward runs, and its kernels' (BLOCK_M queries, BLOCK_N keys, STAGES): the fastest
 # of a sweep at every shape timed but one (attention_gluon_bwd.log). At head dim 64 they were slower than the
