@@ -356,8 +356,8 @@ def test_hopper_forward_programs(device, monkeypatch):
 
     assert programs(256, 128, True) == (4, )  # 8 items of 1.5 key tiles
     assert programs(2048, 128, False) == (4, )  # 64 items of 16 tiles
-    assert programs(4096, 128, True) == (128, )  # 128 items of 16.5 tiles: one a program
-    assert programs(4096, 128, False) == (128, )  # 32 tiles
+    assert programs(4096, 128, True) == programs(4096, 128, False) == (4, )  # 128 items of 16.5 and of 32 tiles
+    assert programs(8192, 128, True) == (256, )  # 256 items of 32.5 tiles: one a program
     assert programs(4096, 128, True, window=512) == (4, )  # at most 6 tiles an item
     assert programs(8192, 128, True, window=4096) == (256, )  # 33
     assert programs(4096, 64, False) == programs(4096, 64, True) == (4, )  # head dim 64: two Q buffers
