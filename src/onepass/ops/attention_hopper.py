@@ -5,9 +5,10 @@ which waits for each q k^T as soon as it is issued and runs every warp in lockst
 the tensor cores take turns (a loop issuing the next tile's q k^T early compiled to the same waits and ran
 slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluon``) states both:
 
-- forward: one program a (batch, head, block of 128 queries), in three partitions (``gl.warp_specialize``): a
-  producer warp that loads the Q tile and a ring of STAGES K and V tiles through TMA, and two consumer warpgroups,
-  for query rows [0, 64) and [64, 128), each releasing a K/V stage when done with it;
+- forward: one program a (batch, head, block of 128 queries), or one an SM taking such items from a counter
+  (PERSISTENT_TILES), in three partitions (``gl.warp_specialize``): a producer warp that loads the Q tile and a
+  ring of STAGES K and V tiles through TMA, and two consumer warpgroups, for query rows [0, 64) and [64, 128), each
+  releasing a K/V stage when done with it;
 - a consumer issues tile j's q k^T before tile j-1's P V and waits for the q k^T alone (one wgmma group left
   outstanding), so tile j's softmax runs while P V does; the two consumers, separate partitions, never wait
   for each other, and one's softmax runs under the other's matmuls (one partition of 8 warps, in lockstep, gained
@@ -18,6 +19,8 @@ slower: results/h200/attention_gluon_fwd.log). Gluon (``triton.experimental.gluo
   score-shaped matmuls issued together and the softmax terms of the first computed while the second runs
   (results/h200/attention_gluon_bwd.log).
 
+Under a causal mask every kernel's programs run in the portable kernels' order: chunks of heads whose tiles fit in
+L2 together, in a chunk the heaviest blocks first (_causal_item).
 The output and the natural-log LSE are the portable kernel's: either backward follows either forward. Calls covered
 (attention's launcher, then ``forward``/``backward``): a CUDA device of compute capability 9 with a Triton of
 attention.GLUON_TRITONS, 16-bit q/k/v, a head dim and mask in GLUON_FWD (GLUON_BWD), the causal mask with or without
