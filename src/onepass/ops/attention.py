@@ -199,7 +199,8 @@ def _locate(n_heads, cu_starts, cu_ends, total, seqlen, n_blocks, chunk_heads, B
     """(sequence, head, block of that sequence, first row of the sequence, its length) of this program.
 
     A 1-D grid of (batch * heads) x n_blocks programs (varlen: heads x n_blocks), in chunks
-    of ``chunk_heads`` heads whose re-read tensors fit in L2 together; inside a chunk the
+    of ``chunk_heads`` heads (``chunk_heads``; the Gluon kernels' causal order is the same:
+    attention_hopper._causal_item) whose re-read tensors fit in L2 together; inside a chunk the
     programs go block by block across its heads, so the heaviest blocks start first and the
     short ones fill the tail (HEAVY_LAST: causal, where the last query blocks see the most
     keys, reverses the blocks). Varlen: the program finds its sequence from the prefix sum
