@@ -302,8 +302,7 @@ def _step(r, j, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, o, p
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               n_items, n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch, HALF: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              Q_BUFFERS: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Query rows [HALF * BLOCK_M / 2, ...) of each of this program's items: the online softmax over the item's key
     tiles, then O and LSE."""
     WG_M: gl.constexpr = BLOCK_M // 2
@@ -417,12 +416,10 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, next_item, 
     gl.warp_specialize([
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready,
                      kv_empty, n_items, n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch,
-                     0, HEAD_DIM, BLOCK,
-                     BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
+                     0, HEAD_DIM, BLOCK, BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
         (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready,
                      kv_empty, n_items, n_bh, chunk_heads, n_heads, seqlen, before, qk_scale, cap, o_rb, o_rh, o_ch,
-                     1, HEAD_DIM, BLOCK,
-                     BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
+                     1, HEAD_DIM, BLOCK, BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, SOFTCAP)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready,
                      kv_empty, next_item, n_items, n_bh, chunk_heads, n_heads, group, seqlen, before, q_rb, q_rh, q_ch,
                      k_rb, k_rh, k_ch, BLOCK, STAGES, Q_BUFFERS, CAUSAL, WINDOW, PERSISTENT)),
@@ -571,9 +568,9 @@ def _dq_consumer(dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, q_smem, do_smem, 
 def _attn_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, o_ptr, lse_ptr, dlse_ptr, delta_ptr, seqlen,
                            chunk_heads, n_heads, group, before, qk_scale, cap, scale, q_rb, q_rh, q_ch, do_rb, do_rh,
                            do_ch, k_rb, k_rh, k_ch, dq_rb, dq_rh, dq_ch, o_sb, o_sh, o_ss, HEAD_DIM: gl.constexpr,
-                           BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                           SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_DLSE: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr):
     """dQ (and delta) of one (batch, head, block of BLOCK_M queries): Q and dO loaded once, a ring of K/V tiles."""
     bh, m_block = _program_block(seqlen // BLOCK_M, chunk_heads, CAUSAL, False)
     b = bh // n_heads
@@ -890,12 +887,12 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
 
     block_m, block_n, stages = DQ_SETTING
     group, head_bytes = H // kv_heads, 2 * S * D * q.element_size()  # a head's K and V, or Q and dO
+    dq_chunk = chunk_heads(B * H, S // block_m, head_bytes // group, causal, sms)
     launch(_attn_dq_hopper_kernel, _grid(B * H, S // block_m, causal), descriptor(q2, block_m),
            descriptor(do2, block_m), descriptor(k2, block_n), descriptor(v2, block_n), descriptor(dq2, block_m // 2),
-           o, lse, lse if dlse is None else dlse, delta, S, chunk_heads(B * H, S // block_m, head_bytes // group,
-                                                                        causal, sms),
-           H, group, before, *scales, scale, *q_at, *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m,
-           BLOCK_N=block_n, STAGES=stages, HAS_DLSE=dlse is not None, **meta)
+           o, lse, lse if dlse is None else dlse, delta, S, dq_chunk, H, group, before, *scales, scale, *q_at,
+           *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+           HAS_DLSE=dlse is not None, **meta)
     block_m, block_n, stages = DKDV_SETTING
     shares = group_shares(B * kv_heads, S, H // kv_heads, block_m, block_n, D, causal, before, sms)
     rows = B * kv_heads * S
