@@ -867,6 +867,7 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
     q, k, v, o, do, dq, dk, dv = views
     B, H, S, D = q.shape
     kv_heads, sms = k.shape[1], num_programs_for(q.device)
+    group = H // kv_heads
     small_grid = small_dkdv_grid(B * kv_heads, S, sms)
     if (D, causal) not in GLUON_BWD and not (D in SMALL_GRID_BWD and small_grid) or S % BLOCK or k.shape[2] != S \
             or not lse.is_contiguous() or before >= 0 and not causal:
@@ -886,7 +887,7 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
         return made[id(t2[0]), rows]
 
     block_m, block_n, stages = DQ_SETTING
-    group, head_bytes = H // kv_heads, 2 * S * D * q.element_size()  # a head's K and V, or Q and dO
+    head_bytes = 2 * S * D * q.element_size()  # a head's K and V, or Q and dO
     dq_chunk = chunk_heads(B * H, S // block_m, head_bytes // group, causal, sms)
     launch(_attn_dq_hopper_kernel, _grid(B * H, S // block_m, causal), descriptor(q2, block_m),
            descriptor(do2, block_m), descriptor(k2, block_n), descriptor(v2, block_n), descriptor(dq2, block_m // 2),
@@ -894,15 +895,15 @@ def backward(views: tuple[Tensor, ...], lse: Tensor, dlse: Tensor | None, delta:
            *do_at, *k_at, *dq_at, *o.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
            HAS_DLSE=dlse is not None, **meta)
     block_m, block_n, stages = DKDV_SETTING
-    shares = group_shares(B * kv_heads, S, H // kv_heads, block_m, block_n, D, causal, before, sms)
+    shares = group_shares(B * kv_heads, S, group, block_m, block_n, D, causal, before, sms)
     rows = B * kv_heads * S
     dkdv_chunk = chunk_heads(B * kv_heads * shares, S // block_n, head_bytes * group // shares, causal, sms)
     part = torch.empty((2, shares, rows, D), dtype=torch.float32, device=q.device) if shares > 1 else delta
     launch(_attn_dkdv_hopper_kernel, _grid(B * kv_heads * shares, S // block_n, causal), descriptor(k2, block_n),
            descriptor(v2, block_n), descriptor(q2, block_m), descriptor(do2, block_m), descriptor(dk2, block_n // 2),
-           descriptor(dv2, block_n // 2), part, lse, delta, S, dkdv_chunk, kv_heads,
-           group, shares, before, *scales, scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n,
-           STAGES=stages, PARTIAL=shares > 1, **meta)
+           descriptor(dv2, block_n // 2), part, lse, delta, S, dkdv_chunk, kv_heads, group, shares, before, *scales,
+           scale, *k_at, *q_at, *do_at, *dk_at, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PARTIAL=shares > 1,
+           **meta)
     if shares > 1:
         launch(_sum_group_shares, (cdiv(rows, SUM_ROWS), 2), part, dk, dv, shares, rows, kv_heads, S,
                *dk.stride()[:3], *dv.stride()[:3], HEAD_DIM=D, BLOCK_R=SUM_ROWS, num_warps=4)
