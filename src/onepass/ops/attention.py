@@ -147,11 +147,12 @@ DQ_TMA_ROWS = {64, 128}
 # of GPU time would not pay back: only calls of at least TMA_MIN_FLOPS (the forward's count) take them, a bound below
 # the smallest shape timed (attention_kv_tma.log's d64; the numbers in CHANGELOG.md).
 TMA_MIN_FLOPS = 1e11
-# The Gluon backward (attention_hopper) runs 13-25% faster than the portable one at head dim 128 down to the smallest
-# calls timed, saving more GPU time than its 9 descriptors cost on the host (~30 us on a 2-core CPU) from about 4e9
-# forward FLOPs (results/h200/attention_gluon_threshold.log), far below the forward's bound. Its price is host time
-# (results/h200/host_attention_launch_split.log), which a training step pays only where it is host-bound; GPU-bound
-# steps were faster with this bound than with the forward's (results/h200/train_attention_routing.log).
+# The Gluon backward (attention_hopper) runs faster than the portable one at head dim 128 down to the smallest calls
+# timed, saving more GPU time than its 9 descriptors cost on the host from about 4e9 forward FLOPs
+# (results/h200/attention_gluon_threshold.log, results/host_attention_gluon_bwd.log), far below the forward's bound.
+# Its price is host time (results/h200/host_attention_launch_split.log), which a training step pays only where it is
+# host-bound; GPU-bound steps were faster with this bound than with the forward's
+# (results/h200/train_attention_routing.log).
 GLUON_BWD_MIN_FLOPS = 4e9
 # Triton releases whose Gluon API (experimental, renamed between releases) the Hopper forward is written for: 3.6 run
 # on a GPU (results/h200/attention_gluon_fwd.log), 3.7 compiled for sm_90 by tests/ops/_compile_sm90.py on a CPU, not

@@ -68,9 +68,9 @@ BLOCK = 128  # queries a program (64 a consumer warpgroup) and keys a tile
 FWD_BUFFERS = {64: (3, 2), 128: (3, 1)}
 # The forward's programs loop over work items, one program an SM (persistent), where two Q buffers fit or an item's
 # mean key tiles are at most PERSISTENT_TILES: an item's first loads then overlap the last one's epilogue, which short
-# items pay for most. Longer ones with one Q buffer run faster one item a program (S 8192 causal and up: level or
-# slower persistent, results/h200/attention_fwd_persistent.log); S 4096 gained 1-12% persistent once items came from
-# a counter (before, a fixed order balanced uneven causal items worse than the hardware's scheduler).
+# items pay for most. Longer ones with one Q buffer gained nothing consistent from it; up to this bound
+# persistent programs win once items come from a counter (before, a fixed order balanced uneven causal items worse
+# than the hardware's scheduler): results/h200/attention_fwd_persistent.log.
 PERSISTENT_TILES = 32
 CONSUMER_REGS = 232  # a consumer warp's registers (setmaxnreg); the producer warp takes 24
 # (head dim, causal) pairs the backward runs, and its kernels' (BLOCK_M queries, BLOCK_N keys, STAGES): the fastest
